@@ -1,0 +1,1 @@
+"""Checkpoint reading and writing: safetensors, quantization formats, presets."""

@@ -1,0 +1,51 @@
+"""The `batchinfer` command line. Subcommands are imported lazily so `--help` stays fast."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from batchinfer import __version__
+from batchinfer.errors import BatchinferError
+
+# command name -> "module:function"; the module is imported only when the command runs.
+COMMANDS: dict[str, str] = {
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="batchinfer")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors on stderr.")
+def cli(verbose: int, quiet: bool) -> None:
+    """Offline batch inference for Qwen MoE models: Parquet in, resumable sharded jobs, Parquet out."""
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except BatchinferError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)

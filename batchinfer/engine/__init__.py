@@ -1,0 +1,1 @@
+"""Engines: the interface the job layer uses, sampling, and the text engines."""

@@ -1,0 +1,1 @@
+"""Model configs and the pure-PyTorch reference forward."""

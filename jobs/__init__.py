@@ -1,0 +1,1 @@
+"""The job layer: plans, shards, commits, resume, executors (installed as batchinfer.jobs)."""
