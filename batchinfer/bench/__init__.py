@@ -1,0 +1,1 @@
+"""Benchmarks: kernel microbenchmarks and end-to-end workloads."""

@@ -1,0 +1,1 @@
+"""The demo model: synthetic verifiable tasks, training, evaluation."""
