@@ -286,3 +286,20 @@ def test_stop_string_with_multibyte(tok):
     ids = tok.encode("café 世界 ok")
     _, text, stopped = _stream(tok, ids, stop=["世"])
     assert (text, stopped) == ("café ", True)
+
+
+def test_parity_on_generated_checkpoint_tokenizer(tmp_path):
+    """The tokenizer files `make-checkpoint` writes (Qwen2Tokenizer class) read the same in transformers."""
+    from batchinfer.checkpoint.tokenizer_files import BUILTIN_CORPUS, build_tokenizer
+
+    transformers = pytest.importorskip("transformers")
+    build_tokenizer(BUILTIN_CORPUS, 600, tmp_path)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.eos_token_ids == [hf.convert_tokens_to_ids("<|im_end|>")]
+    for text in [*TEXTS, *BUILTIN_CORPUS]:
+        assert ours.encode(text) == hf(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == hf.decode(hf(text)["input_ids"], skip_special_tokens=True)
+    for chat in CHATS:
+        ids = hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert ours.encode_chat(chat) == list(ids)
