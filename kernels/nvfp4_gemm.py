@@ -1,0 +1,220 @@
+"""NVFP4 W4A16 linear: `out[M, N] = x[M, K] @ W[N, K]^T` with W in NVFP4, x and out in bf16.
+
+Layout: the checkpoint layout as is (no repack): codes uint8 `[N, K // 2]` (element 2j in the low
+nibble), block scales float8_e4m3fn `[N, K // 16]` read as raw bytes, fp32 tensor scale read on the
+device (no host sync, so the launcher is CUDA-graph safe).
+Numerics: Hopper has no FP4 tensor cores, so each `[BLOCK_N, BLOCK_K]` weight tile is decoded in
+registers by bit construction (E2M1 nibble -> fp16 bits, times 2^14 is the exact value; E4M3 byte ->
+fp16 bits, times 2^8), multiplied by its block scale in fp32, rounded to bf16 (exact: E2M1 x E4M3 has
+at most 6 significant bits) and fed to bf16 `tl.dot` with fp32 accumulation. The 2^22 and the tensor
+scale are applied once to the accumulator. Against `nvfp4_gemm_ref` (fp32 on the dequantized weight
+and the same bf16 x) the only errors are fp32 accumulation order and the bf16 rounding of the output.
+Small M is bandwidth-bound, so it splits K across CTAs (SPLIT_K > 1): partials go to an fp32
+workspace and the last CTA of each tile (counted with an atomic) sums them and writes bf16, all in one
+launch. Assumes sm_90 (or the Triton interpreter); one CUDA stream per device at a time uses the
+split-K counters.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from batchinfer.kernels.nvfp4 import NVFP4Weight
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """One launch configuration; SPLIT_K = 0 means "choose from the CTA count"."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    """True under the Triton CPU interpreter (tests on machines without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _nvfp4_gemm_configs(m: int) -> GemmConfig:
+    """Offline-tuned table by M bucket (H200, tuned with `batchinfer.bench.tune_kernels`)."""
+    if interpreting():
+        return GemmConfig(16, 16, 32, 0, 4, 1)
+    if m <= 16:
+        return GemmConfig(16, 64, 256, 0, 4, 4)
+    if m <= 64:
+        return GemmConfig(64, 64, 128, 0, 4, 4)
+    if m <= 256:
+        return GemmConfig(64, 128, 128, 1, 8, 3)
+    return GemmConfig(128, 128, 64, 1, 8, 3)
+
+
+@triton.jit
+def _decode_nvfp4_tile(b, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 codes [BN, BK/2] and uint8 e4m3 scales [BN, BK/16] -> bf16 W tile [BN, BK] times 2^-22."""
+    b = b.to(tl.int32)
+    lo = ((b & 0x8) << 12) | ((b & 0x7) << 9)  # element 2j -> fp16 bits (value * 2^-14)
+    hi = ((b & 0x80) << 8) | ((b & 0x70) << 5)  # element 2j+1
+    s = s.to(tl.int32)
+    sf = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
+    w_lo = (lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * sf).to(tl.bfloat16)
+    w_hi = (hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * sf).to(tl.bfloat16)
+    return tl.interleave(w_lo, w_hi)
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, lock_ptr,  #
+    M, N, K,  #
+    stride_xm, stride_wn, stride_sn, stride_om,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  #
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,  #
+):
+    tl.static_assert(BLOCK_K % 32 == 0)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs_kb = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+    offs_ks = k_start // 16 + tl.arange(0, BLOCK_K // 16)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_kb[None, :]
+    s_ptrs = s_ptr + offs_n[:, None] * stride_sn + offs_ks[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        kk = k - k_start
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] + kk < k_end), other=0.0)
+        b = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_kb[None, :] * 2 + kk < k_end), other=0)
+        s = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_ks[None, :] * 16 + kk < k_end), other=0)
+        w = _decode_nvfp4_tile(b, s, BLOCK_N, BLOCK_K)
+        if F32_DOT:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw bits
+            acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 16
+    acc = acc * (tl.load(ts_ptr) * 4194304.0)  # tensor scale * 2^22 (2^14 from E2M1, 2^8 from E4M3 bits)
+
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Serial split-K: publish this split's partial, then the last CTA of the tile reduces.
+        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(SPLIT_K):
+                total += tl.load(ws_ptrs + i * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + pid, 0)
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 split-K tile counters, reused across calls (each reducing CTA resets its own)."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = buf
+    return buf
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
+    """Enough K splits that the grid covers the SMs about twice, each split keeping >= 2 K blocks."""
+    split = 1
+    while tiles * split < 2 * num_sms and k // (2 * split * block_k) >= 2:
+        split *= 2
+    return split
+
+
+def check_gemm_out(out: torch.Tensor | None, m: int, n: int, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(-1) != 1\
+        or out.device != device:
+        raise ValueError(
+            f"out: expected bfloat16 [{m}, {n}] with unit column stride on {device}, got {out.dtype} "
+            f"{list(out.shape)} strides {out.stride()} on {out.device}"
+        )
+    return out
+
+
+def nvfp4_gemm(
+    x: torch.Tensor, w: NVFP4Weight, out: torch.Tensor | None = None, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """`x [..., K]` bf16 times NVFP4 `W [N, K]` transposed -> `[..., N]` bf16 (fp32 accumulation).
+
+    `out` (bf16 `[M, N]` with unit column stride, M = x rows) receives the result in place, e.g. a
+    static buffer under CUDA graphs; `config` overrides the tuned table (used by the tuner).
+    """
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x: expected last dimension K={k} (weight is [N={n}, K={k}]), got {x.shape[-1]}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x: expected bfloat16, got {x.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w.device}")
+    if not (w.packed.is_contiguous() and w.block_scale.is_contiguous()):
+        raise ValueError("weight: packed and block_scale must be contiguous ([N, K//2] and [N, K//16])")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = check_gemm_out(out, m, n, x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    cfg = config or _nvfp4_gemm_configs(m)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k or choose_split_k(tiles, k, cfg.block_k, _num_sms(x.device))
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    locks = _locks(x.device, tiles) if split > 1 else out
+    _nvfp4_gemm_kernel[(tiles, split)](
+        x2, w.packed, w.block_scale.view(torch.uint8), w.tensor_scale, out, ws, locks,  #
+        m, n, k,  #
+        x2.stride(0), w.packed.stride(0), w.block_scale.stride(0), out.stride(0),  #
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, GROUP_M=8,  #
+        F32_DOT=interpreting(),  #
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,  #
+    )
+    return out.reshape(*x.shape[:-1], n)
+
+
+def nvfp4_gemm_ref(x: torch.Tensor, w: NVFP4Weight) -> torch.Tensor:
+    """fp32 reference: dequantize W (reads N*K/2 code bytes + N*K/16 scale bytes), fp32 matmul."""
+    return x.float() @ w.dequantize(torch.float32).t()
