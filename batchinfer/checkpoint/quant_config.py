@@ -1,0 +1,156 @@
+"""Which linear of a checkpoint is stored in which format, from its quantization config.
+
+Reads NVIDIA ModelOpt configs (`hf_quant_config.json`, or `config.json:quantization_config` with
+`quant_method: modelopt`) and compressed-tensors `nvfp4-pack-quantized` configs, and answers one
+question per module: dense, NVFP4 or FP8. Module names are matched the way vLLM does it: fnmatch
+wildcards, parent-module prefixes, and tolerance of the `language_model.` part of the prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from batchinfer.errors import CheckpointError
+
+NVFP4, FP8 = "nvfp4", "fp8"
+MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
+MODELOPT_ALGOS = {"NVFP4": NVFP4, "W4A16_NVFP4": NVFP4, "FP8": FP8}
+MIXED = "MIXED_PRECISION"
+CT_FORMAT = "nvfp4-pack-quantized"
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+@dataclass(slots=True)
+class QuantConfig:
+    """`method` names the tensor layout (ModelOpt or compressed-tensors); `scheme_for` the format
+    of each module."""
+
+    method: str
+    source: str  # the file the config came from, for error messages
+    default: str | None = None  # format of every linear not excluded (None: only `layers` are quantized)
+    layers: dict[str, str] = field(
+        default_factory=dict
+    )  # module pattern -> format (MIXED_PRECISION, CT targets)
+    exclude: list[str] = field(default_factory=list)
+
+    def scheme_for(self, module: str) -> str | None:
+        """Format of the linear `module` (its full HF name without `.weight`): NVFP4, FP8 or None (dense)."""
+        if any(_matches(module, p) for p in self.exclude):
+            return None
+        for pattern, fmt in self.layers.items():
+            if _matches(module, pattern):
+                return fmt
+        return self.default
+
+
+def _candidates(module: str) -> set[str]:
+    names = {module}
+    if module.startswith("model.language_model."):
+        names.add("model." + module[len("model.language_model.") :])
+        names.add("language_model." + module[len("model.language_model.") :])
+    elif module.startswith("model."):
+        names.add("model.language_model." + module[len("model.") :])
+    names.add(re.sub(r"^model\.(language_model\.)?", "", module))
+    return names
+
+
+def _matches(module: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        rx = re.compile(pattern[3:])
+        return any(rx.match(c) for c in _candidates(module))
+    return any(fnmatchcase(c, pattern) or c.startswith(pattern + ".") for c in _candidates(module))
+
+
+def read_quant_config(raw_config: dict[str, Any] | None, folder: Path | None) -> QuantConfig | None:
+    """The checkpoint's quantization config, or None for a plain BF16/FP16/FP32 checkpoint.
+
+    `hf_quant_config.json` in `folder` wins over `config.json:quantization_config` (ModelOpt writes both).
+    """
+    if folder is not None and (folder / HF_QUANT_CONFIG).is_file():
+        file = folder / HF_QUANT_CONFIG
+        try:
+            doc = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("quantization"), dict):
+            raise CheckpointError(f"{file}: expected an object with a 'quantization' object")
+        return _modelopt(doc["quantization"], str(file))
+    qc = (raw_config or {}).get("quantization_config")
+    if not qc:
+        return None
+    source = f"{folder / 'config.json' if folder else 'config'}:quantization_config"
+    method = qc.get("quant_method")
+    if method == MODELOPT:
+        return _modelopt(qc, source)
+    if method == COMPRESSED_TENSORS:
+        return _compressed_tensors(qc, source)
+    raise CheckpointError(
+        f"{source}: quant_method {method!r} is not supported; supported: {MODELOPT} "
+        f"({', '.join([*MODELOPT_ALGOS, MIXED])}) and {COMPRESSED_TENSORS} ({CT_FORMAT})"
+    )
+
+
+def _modelopt_algo(algo: Any, group_size: Any, source: str, where: str) -> str:
+    if algo not in MODELOPT_ALGOS:
+        raise CheckpointError(
+            f"{source}: {where}quant_algo {algo!r} is not supported; "
+            f"supported: {', '.join([*MODELOPT_ALGOS, MIXED])}"
+        )
+    if MODELOPT_ALGOS[algo] == NVFP4 and group_size not in (None, 16):
+        raise CheckpointError(
+            f"{source}: {where}{algo} group_size {group_size!r} is not supported; expected 16"
+        )
+    return MODELOPT_ALGOS[algo]
+
+
+def _modelopt(q: dict[str, Any], source: str) -> QuantConfig:
+    algo = q.get("quant_algo")
+    exclude = list(q.get("exclude_modules") or q.get("ignore") or [])
+    if algo == MIXED:
+        layers_raw = q.get("quantized_layers")
+        if not isinstance(layers_raw, dict):
+            raise CheckpointError(f"{source}: quant_algo {MIXED} needs a 'quantized_layers' object")
+        layers = {
+            name: _modelopt_algo(
+                entry.get("quant_algo"), entry.get("group_size"), source, f"quantized_layers[{name!r}] "
+            )
+            for name, entry in layers_raw.items()
+        }
+        return QuantConfig(MODELOPT, source, None, layers, exclude)
+    return QuantConfig(MODELOPT, source, _modelopt_algo(algo, q.get("group_size"), source, ""), {}, exclude)
+
+
+def _compressed_tensors(q: dict[str, Any], source: str) -> QuantConfig:
+    fmt = q.get("format")
+    groups = q.get("config_groups") or {}
+    if not groups:
+        raise CheckpointError(f"{source}: compressed-tensors config has no 'config_groups'")
+    layers: dict[str, str] = {}
+    default = None
+    for gname, group in groups.items():
+        gfmt = group.get("format") or fmt
+        w = group.get("weights") or {}
+        nvfp4 = (
+            w.get("num_bits") == 4
+            and w.get("type") == "float"
+            and w.get("strategy") == "tensor_group"
+            and w.get("group_size") == 16
+        )
+        if gfmt != CT_FORMAT or not nvfp4:
+            raise CheckpointError(
+                f"{source}: config_groups[{gname!r}] (format {gfmt!r}, weights num_bits={w.get('num_bits')} "
+                f"type={w.get('type')} strategy={w.get('strategy')} group_size={w.get('group_size')}) is not "
+                f"supported; supported: format {CT_FORMAT} with 4-bit float tensor_group weights, "
+                "group_size 16"
+            )
+        for target in group.get("targets") or []:
+            if target == "Linear":
+                default = NVFP4
+            else:
+                layers[target] = NVFP4
+    return QuantConfig(COMPRESSED_TENSORS, source, default, layers, list(q.get("ignore") or []))
