@@ -151,6 +151,8 @@ class ModelConfig:
                 linear_value_head_dim=int(need("linear_value_head_dim")),
                 linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
             )
+        # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts
+        experts_key = "num_local_experts" if "num_local_experts" in text else "num_experts"
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -165,7 +167,7 @@ class ModelConfig:
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             layer_types=list(layer_types),
-            num_experts=int(need("num_experts")),
+            num_experts=int(need(experts_key)),
             num_experts_per_tok=int(need("num_experts_per_tok")),
             moe_intermediate_size=int(need("moe_intermediate_size")),
             eos_token_ids=eos_ids,
