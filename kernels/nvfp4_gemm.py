@@ -140,7 +140,7 @@ def _nvfp4_gemm_kernel(
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
-def _locks(device: torch.device, n: int) -> torch.Tensor:
+def split_k_locks(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 split-K tile counters, reused across calls (each reducing CTA resets its own)."""
     buf = _LOCKS.get(device)
     if buf is None or buf.numel() < n:
@@ -149,7 +149,7 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -201,9 +201,9 @@ def nvfp4_gemm(
         return out.reshape(*x.shape[:-1], n)
     cfg = config or _nvfp4_gemm_configs(m)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    split = cfg.split_k or choose_split_k(tiles, k, cfg.block_k, _num_sms(x.device))
+    split = cfg.split_k or choose_split_k(tiles, k, cfg.block_k, num_sms(x.device))
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    locks = _locks(x.device, tiles) if split > 1 else out
+    locks = split_k_locks(x.device, tiles) if split > 1 else out
     _nvfp4_gemm_kernel[(tiles, split)](
         x2, w.packed, w.block_scale.view(torch.uint8), w.tensor_scale, out, ws, locks,  #
         m, n, k,  #

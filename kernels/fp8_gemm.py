@@ -1,0 +1,144 @@
+"""FP8 W8A16 linear: `out[M, N] = x[M, K] @ W[N, K]^T` with W per-tensor E4M3, x and out in bf16.
+
+Layout: the checkpoint layout (`float8_e4m3fn [N, K]`, read as raw bytes) and an fp32 scalar scale
+read on the device. Numerics: each E4M3 byte becomes fp16 bits by bit construction (value * 2^-8,
+exact, subnormals included), is converted to bf16 (exact: 3 mantissa bits) and fed to bf16 `tl.dot`
+with fp32 accumulation; scale * 2^8 is applied to the accumulator. Against `fp8_gemm_ref` only the
+accumulation order and the bf16 output rounding differ.
+Why W8A16 and not W8A8 on the FP8 tensor cores: decode (M <= 64) is bandwidth-bound, where both read
+the same weight bytes and W8A16 skips quantizing activations and keeps bf16 accuracy; the benchmark
+measures cuBLAS W8A8 (`torch._scaled_mm`) beside it for the prefill sizes.
+Small M splits K across CTAs exactly like `nvfp4_gemm` (same counters and workspace scheme). sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from batchinfer.kernels.nvfp4 import FP8Weight
+from batchinfer.kernels.nvfp4_gemm import (
+    GemmConfig,
+    check_gemm_out,
+    choose_split_k,
+    interpreting,
+    num_sms,
+    split_k_locks,
+)
+
+
+def _fp8_gemm_configs(m: int) -> GemmConfig:
+    """Offline-tuned table by M bucket (H200, tuned with `batchinfer.bench.tune_kernels`)."""
+    if interpreting():
+        return GemmConfig(16, 16, 32, 0, 4, 1)
+    if m <= 16:
+        return GemmConfig(16, 64, 256, 0, 4, 4)
+    if m <= 64:
+        return GemmConfig(64, 64, 128, 0, 4, 4)
+    if m <= 256:
+        return GemmConfig(64, 128, 128, 1, 8, 3)
+    return GemmConfig(128, 128, 64, 1, 8, 3)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, ws_ptr, lock_ptr,  #
+    M, N, K,  #
+    stride_xm, stride_wn, stride_om,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  #
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,  #
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k[None, :] + (k - k_start) < k_end
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k, other=0.0)
+        b = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k, other=0).to(tl.int32)
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)  # E4M3 -> fp16 bits of value * 2^-8
+        w = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.bfloat16)
+        if F32_DOT:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw bits
+            acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * (tl.load(scale_ptr) * 256.0)
+
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(SPLIT_K):
+                total += tl.load(ws_ptrs + i * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + pid, 0)
+
+
+def fp8_gemm(
+    x: torch.Tensor, w: FP8Weight, out: torch.Tensor | None = None, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """`x [..., K]` bf16 times FP8 `W [N, K]` transposed -> `[..., N]` bf16 (fp32 accumulation).
+
+    `out` and `config` as in `nvfp4_gemm`.
+    """
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x: expected last dimension K={k} (weight is [N={n}, K={k}]), got {x.shape[-1]}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x: expected bfloat16, got {x.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w.device}")
+    if w.data.stride(-1) != 1:
+        raise ValueError(f"weight: data must have unit stride along K, got strides {w.data.stride()}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = check_gemm_out(out, m, n, x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    cfg = config or _fp8_gemm_configs(m)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k or choose_split_k(tiles, k, cfg.block_k, num_sms(x.device))
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    locks = split_k_locks(x.device, tiles) if split > 1 else out
+    _fp8_gemm_kernel[(tiles, split)](
+        x2, w.data.view(torch.uint8), w.scale, out, ws, locks,  #
+        m, n, k,  #
+        x2.stride(0), w.data.stride(0), out.stride(0),  #
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, GROUP_M=8,  #
+        F32_DOT=interpreting(),  #
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,  #
+    )
+    return out.reshape(*x.shape[:-1], n)
+
+
+def fp8_gemm_ref(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
+    """fp32 reference: dequantize W (reads N*K bytes), fp32 matmul."""
+    return x.float() @ w.dequantize(torch.float32).t()

@@ -1,0 +1,85 @@
+"""FP8 W8A16 linear against its fp32 reference: interpreter shapes on CPU, real shapes on the GPU."""
+
+import pytest
+import torch
+from batchinfer.kernels.fp8_gemm import GemmConfig, choose_split_k, fp8_gemm, fp8_gemm_ref
+from batchinfer.kernels.nvfp4 import quantize_fp8
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> None:
+    assert not torch.isnan(out).any(), "NaN in output (unwritten poisoned element?)"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err <= tol, f"relative error {err:.2e} > {tol}"
+    # Element-wise: only the bf16 rounding of the output (the interpreter truncates: 2^-7).
+    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3 * ref.abs().max())
+
+
+def _case(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_fp8(torch.randn(n, k, generator=g) * 0.05).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    return x, w
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "split"),
+    [(1, 32, 64, 1), (5, 40, 96, 1), (17, 33, 48, 2), (3, 64, 128, 4), (20, 16, 64, 0)],
+)
+def test_matches_reference_small(m, n, k, split):
+    x, w = _case(m, n, k, seed=m * 1000 + n + k)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    res = fp8_gemm(x, w, out=out, config=GemmConfig(16, 16, 32, split, 4, 1))
+    assert res.data_ptr() == out.data_ptr()
+    _check(out, fp8_gemm_ref(x, w))
+
+
+def test_split_k_counters_reset_between_calls():
+    x, w = _case(4, 32, 128, seed=7)
+    cfg = GemmConfig(16, 16, 32, 4, 4, 1)
+    first = fp8_gemm(x, w, config=cfg)
+    x2 = torch.randn_like(x)
+    second = fp8_gemm(x2, w, config=cfg)  # a stale counter would skip or double the reduction
+    _check(first, fp8_gemm_ref(x, w))
+    _check(second, fp8_gemm_ref(x2, w))
+
+
+def test_leading_dims_and_default_config():
+    g = torch.Generator().manual_seed(3)
+    w = quantize_fp8(torch.randn(24, 64, generator=g)).to(DEVICE)
+    x = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    out = fp8_gemm(x, w)
+    assert out.shape == (2, 3, 24) and out.dtype == torch.bfloat16
+    _check(out.reshape(6, 24), fp8_gemm_ref(x.reshape(6, 64), w))
+
+
+def test_rejects_bad_inputs():
+    x, w = _case(2, 16, 64, seed=1)
+    with pytest.raises(ValueError, match="K=64"):
+        fp8_gemm(x[:, :32], w)
+    with pytest.raises(ValueError, match="bfloat16"):
+        fp8_gemm(x.float(), w)
+    with pytest.raises(ValueError, match="out: expected bfloat16 \\[2, 16\\]"):
+        fp8_gemm(x, w, out=torch.empty(2, 8, dtype=torch.bfloat16, device=DEVICE))
+
+
+def test_split_k_choice_covers_sms_and_keeps_k_blocks():
+    assert choose_split_k(tiles=32, k=2048, block_k=256, num_sms=132) == 4
+    assert choose_split_k(tiles=8, k=4096, block_k=256, num_sms=132) == 8
+    assert choose_split_k(tiles=1000, k=2048, block_k=256, num_sms=132) == 1
+    assert choose_split_k(tiles=1, k=512, block_k=256, num_sms=132) == 1
+
+
+# Real shapes of both models (N, K): q_proj / in_proj_qkv, o_proj / out_proj, experts, lm_head slice.
+GPU_SHAPES = [(8192, 2048), (2048, 4096), (512, 2048), (2048, 512), (768, 2048), (2048, 768), (16384, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16, 100, 512, 2048])
+@pytest.mark.parametrize(("n", "k"), GPU_SHAPES)
+def test_matches_reference_real_shapes(m, n, k):
+    x, w = _case(m, n, k, seed=m + n + k)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    fp8_gemm(x, w, out=out)
+    _check(out, fp8_gemm_ref(x, w), tol=5e-3)
