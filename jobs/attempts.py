@@ -1,0 +1,90 @@
+"""Attempts: attempt 1 is every row of the plan; each `retry-errors` adds an attempt that reruns only
+the rows whose latest result is an error (or skipped), listed per shard in `DIR/attempts/AA.json`.
+
+Earlier attempts are never rewritten, so every attempt stays queryable (`results` view); the `latest`
+view picks the highest attempt per id. A shard is done when every attempt that has rows in it has a
+marker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from batchinfer.errors import InputError
+from batchinfer.jobs import commit
+from batchinfer.jobs.plan import Plan
+from batchinfer.schemas import loader
+
+log = logging.getLogger(__name__)
+
+
+def list_attempts(plan: Plan) -> list[int]:
+    """All attempt numbers of the job, ascending (1 is always there)."""
+    found = sorted(int(p.stem) for p in (plan.job_dir / commit.ATTEMPTS_DIR).glob("[0-9][0-9]*.json"))
+    return [1, *found]
+
+
+def _load(plan: Plan, attempt: int) -> dict:
+    path = commit.attempt_path(plan.job_dir, attempt)
+    doc = commit.read_json(path)
+    try:
+        loader.check_json(loader.load("attempt"), doc)
+    except loader.SchemaMismatch as e:
+        raise InputError(f"{path}: not a valid attempt file ({e})") from None
+    if doc["plan_id"] != plan.plan_id:
+        raise InputError(f"{path}: belongs to plan {doc['plan_id']}, not this job's plan {plan.plan_id}")
+    return doc
+
+
+def attempt_rows(plan: Plan, shard: int, attempt: int) -> np.ndarray:
+    """Global input row indices that `attempt` processes in `shard`, ascending."""
+    if attempt == 1:
+        start, end = plan.shard_range(shard)
+        return np.arange(start, end, dtype=np.int64)
+    rows = _load(plan, attempt)["rows"].get(str(shard), [])
+    return np.asarray(rows, dtype=np.int64)
+
+
+def shard_attempts(plan: Plan, shard: int) -> list[int]:
+    """The attempts with rows in `shard`."""
+    return [a for a in list_attempts(plan) if a == 1 or str(shard) in _load(plan, a)["rows"]]
+
+
+def shard_done(plan: Plan, shard: int) -> bool:
+    return all(commit.marker_path(plan.job_dir, shard, a).exists() for a in shard_attempts(plan, shard))
+
+
+def incomplete_shards(plan: Plan) -> list[int]:
+    """Shards with work left in any attempt; what a rerun, `slurm --retry` or a cron run still has to do.
+
+    Lists the markers folder once instead of stat-ing every shard (cheap on shared file systems).
+    """
+    retries = {a: set(_load(plan, a)["rows"]) for a in list_attempts(plan)[1:]}
+    markers = {p.name for p in (plan.job_dir / commit.MARKERS_DIR).glob("*.json")}
+    left = []
+    for s in range(plan.num_shards):
+        needed = [1, *(a for a, shards in retries.items() if str(s) in shards)]
+        if any(commit.marker_path(plan.job_dir, s, a).name not in markers for a in needed):
+            left.append(s)
+    return left
+
+
+def create_retry(plan: Plan, rows_by_shard: dict[int, list[int]], reasons: list[str]) -> int:
+    """Write the next attempt file listing `rows_by_shard`; returns its attempt number."""
+    attempt = list_attempts(plan)[-1] + 1
+    doc = {
+        "plan_id": plan.plan_id,
+        "attempt": attempt,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "reasons": list(reasons),
+        "rows": {str(s): sorted(int(r) for r in rows) for s, rows in sorted(rows_by_shard.items())},
+    }
+    if not commit.write_json_atomic(commit.attempt_path(plan.job_dir, attempt), doc, exclusive=True):
+        raise InputError(f"{commit.attempt_path(plan.job_dir, attempt)}: another retry-errors created this "
+                         "attempt at the same moment; rerun retry-errors to resume it")
+    total = sum(len(r) for r in rows_by_shard.values())
+    log.info("attempt %d: %d rows to retry in %d shards", attempt, total, len(rows_by_shard))
+    return attempt

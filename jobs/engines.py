@@ -1,0 +1,76 @@
+"""Finding the engine a plan names (`module:factory`) and loading it only when work needs it.
+
+The default factory is `batchinfer.engine.loader:load_engine`; `--engine module:factory` plugs in any
+other object with `describe()` and `generate()` (engine/api.py's TextEngine), e.g. the model-free
+`batchinfer.jobs.echo:EchoEngine` for dry runs. The factory is called as `factory(model_path, **args)`
+with the plan's string arguments (`--engine-arg KEY=VALUE`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from batchinfer.engine.api import TextEngine, TextRequest, TextResult
+from batchinfer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_factory(spec: str) -> Callable[..., TextEngine]:
+    """Import `module:attribute`."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"--engine {spec!r}: expected MODULE:FACTORY, e.g. batchinfer.jobs.echo:EchoEngine")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"--engine {spec!r}: cannot import module {module!r} ({e})") from None
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        raise ConfigError(f"--engine {spec!r}: module {module!r} has no attribute {attr!r}") from None
+
+
+def parse_args(pairs: Sequence[str]) -> dict[str, str]:
+    """`KEY=VALUE` strings into a dict."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--engine-arg {pair!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+class LazyEngine:
+    """A TextEngine that builds the real one on first use, so a runner that finds every shard done or
+    locked (a cron rerun) never loads the model."""
+
+    def __init__(self, factory: str, model_path: str, args: dict[str, Any] | None = None) -> None:
+        self.factory = factory
+        self.model_path = model_path
+        self.args = dict(args or {})
+        self._engine: TextEngine | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._engine is not None
+
+    def get(self) -> TextEngine:
+        if self._engine is None:
+            t0 = time.monotonic()
+            self._engine = resolve_factory(self.factory)(self.model_path, **self.args)
+            log.info("loaded engine %s for %s in %.1f s", self.factory, self.model_path, time.monotonic() - t0)
+        return self._engine
+
+    def describe(self) -> dict[str, str]:
+        return self.get().describe()
+
+    def generate(
+        self, requests: Sequence[TextRequest], on_tokens: Callable[[int], None] | None = None
+    ) -> Iterator[TextResult]:
+        return self.get().generate(requests, on_tokens)

@@ -1,0 +1,248 @@
+"""`DIR/plan.json`: the fixed description of a job that every worker, resume and retry reads.
+
+A plan is made once, from validated inputs, and published exclusively (two runners racing to create it
+cannot both win). A later run builds the plan its arguments describe and compares: any difference in
+inputs, shards, model, engine, sampling or schema versions is refused with a list of what changed.
+Plain JSON, checked against `schemas/plan.v1.json` on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchinfer import __version__
+from batchinfer.engine.api import SamplingParams
+from batchinfer.errors import InputError, PlanMismatchError
+from batchinfer.jobs import commit, inputs
+from batchinfer.models.config import ModelConfig
+from batchinfer.schemas import loader
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_ROWS = 100_000  # default shard size: a few GPU-hours at most, so requeues lose little
+DEFAULT_CHUNK_ROWS = 1000  # rows per committed file: a kill loses at most this much work
+DEFAULT_ENGINE = "batchinfer.engine.loader:load_engine"
+_NOT_HASHED = ("plan_id", "created_at", "batchinfer_version")
+
+
+@dataclass(slots=True)
+class Plan:
+    job_dir: Path
+    doc: dict[str, Any]
+
+    @property
+    def plan_id(self) -> str:
+        return self.doc["plan_id"]
+
+    @property
+    def inputs(self) -> list[inputs.InputFile]:
+        return [inputs.InputFile(**f) for f in self.doc["inputs"]]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.doc["shards"])
+
+    @property
+    def chunk_rows(self) -> int:
+        return self.doc["chunk_rows"]
+
+    @property
+    def seed(self) -> int:
+        return self.doc["seed"]
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return self.doc["sampling"]
+
+    @property
+    def keep_columns(self) -> list[str]:
+        return self.doc["keep_columns"]
+
+    @property
+    def id_arrow_type(self) -> pa.DataType:
+        return pa.int64() if self.doc["id_type"] == "int64" else pa.string()
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        if not 0 <= shard < self.num_shards:
+            raise InputError(f"shard {shard} does not exist; the plan has shards 0..{self.num_shards - 1}")
+        s = self.doc["shards"][shard]
+        return s["start"], s["end"]
+
+    def save(self) -> bool:
+        """Publish plan.json; False if a plan already exists there (then load and compare)."""
+        return commit.write_json_atomic(self.job_dir / commit.PLAN_FILE, self.doc, exclusive=True)
+
+    @classmethod
+    def load(cls, job_dir: str | Path) -> Plan:
+        job_dir = Path(job_dir).resolve()
+        path = job_dir / commit.PLAN_FILE
+        if not path.exists():
+            raise InputError(f"{path}: no plan here; start the job with `batchinfer run --input ... --output "
+                             f"{job_dir} --model ...`")
+        try:
+            doc = commit.read_json(path)
+            loader.check_json(loader.load("plan", doc.get("schema_version") if isinstance(doc, dict) else None), doc)
+        except (json.JSONDecodeError, KeyError, loader.SchemaMismatch) as e:
+            raise InputError(f"{path}: not a valid plan ({e})") from None
+        return cls(job_dir, doc)
+
+
+def split_rows(total: int, num_shards: int) -> list[tuple[int, int]]:
+    """`num_shards` contiguous row ranges covering [0, total), sizes differing by at most one."""
+    base, extra = divmod(total, num_shards)
+    ranges, start = [], 0
+    for i in range(num_shards):
+        end = start + base + (i < extra)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def build_plan(
+    job_dir: str | Path,
+    input_patterns: Sequence[str],
+    model_path: str | Path,
+    sampling: dict[str, Any],
+    seed: int = 0,
+    num_shards: int | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    keep_columns: Sequence[str] = (),
+    engine: str = DEFAULT_ENGINE,
+    engine_args: dict[str, str] | None = None,
+    check_ids: bool = True,
+) -> Plan:
+    """Validate the inputs and describe the job. `check_ids=False` skips the id scan (used when only
+    comparing against an existing plan, whose fingerprints already vouch for the ids)."""
+    if chunk_rows < 1:
+        raise InputError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    try:
+        SamplingParams(**sampling)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"sampling parameters: {e}") from None
+    input_schema = loader.load("llm_input")
+    files = inputs.describe_files(inputs.resolve(input_patterns), input_schema)
+    id_type = inputs.id_type(files)
+    reserved = set(loader.load("llm_output").names())
+    for c in keep_columns:
+        if c in reserved:
+            raise InputError(f"--keep-columns {c!r} collides with the output column of that name; "
+                             f"output columns are {sorted(reserved)}")
+        inputs.column_type(files, c)
+    if check_ids:
+        inputs.check_ids(files, id_type)
+    total = sum(f.rows for f in files)
+    num_shards = num_shards or math.ceil(total / DEFAULT_SHARD_ROWS)
+    if num_shards < 1:
+        raise InputError(f"--shards must be >= 1, got {num_shards}")
+    if num_shards > total:
+        log.warning("asked for %d shards but the inputs have %d rows; using %d", num_shards, total, total)
+        num_shards = total
+    config = ModelConfig.from_pretrained(model_path)
+    doc: dict[str, Any] = {
+        "schema": "plan",
+        "schema_version": loader.load("plan").version,
+        "plan_id": "",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "batchinfer_version": __version__,
+        "task": "llm",
+        "inputs": [f.to_dict() for f in files],
+        "id_type": "int64" if id_type == pa.int64() else "string",
+        "keep_columns": list(keep_columns),
+        "total_rows": total,
+        "chunk_rows": chunk_rows,
+        "shards": [{"shard": i, "start": s, "end": e} for i, (s, e) in enumerate(split_rows(total, num_shards))],
+        "model": {"path": str(Path(model_path).resolve()), "config_hash": config.config_hash(),
+                  "model_type": config.model_type},
+        "engine": {"factory": engine, "args": dict(engine_args or {})},
+        "sampling": dict(sampling),
+        "seed": int(seed),
+        "schemas": {n: loader.load(n).version for n in ("llm_input", "llm_output", "plan", "shard_marker")},
+    }
+    doc["plan_id"] = hash_plan(doc)
+    return Plan(Path(job_dir).resolve(), doc)
+
+
+def hash_plan(doc: dict[str, Any]) -> str:
+    blob = json.dumps({k: v for k, v in doc.items() if k not in _NOT_HASHED}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable differences that make `new` a different job from `old` (empty if the same)."""
+    changes: list[str] = []
+    old_in = {f["path"]: f for f in old["inputs"]}
+    new_in = {f["path"]: f for f in new["inputs"]}
+    changes += [f"input file removed: {p}" for p in old_in if p not in new_in]
+    changes += [f"input file added: {p}" for p in new_in if p not in old_in]
+    for p in old_in.keys() & new_in.keys():
+        for key in ("size", "rows", "fingerprint"):
+            if old_in[p][key] != new_in[p][key]:
+                changes.append(f"input file changed: {p}: {key} {old_in[p][key]} -> {new_in[p][key]}")
+    if not changes and [f["path"] for f in old["inputs"]] != [f["path"] for f in new["inputs"]]:
+        changes.append("input files are in a different order")
+    for key in ("task", "id_type", "keep_columns", "total_rows", "chunk_rows", "model", "engine", "sampling",
+                "seed", "schemas"):
+        if old.get(key) != new.get(key):
+            changes.append(f"{key}: {json.dumps(old.get(key), sort_keys=True)} -> "
+                           f"{json.dumps(new.get(key), sort_keys=True)}")
+    if len(old["shards"]) != len(new["shards"]):
+        changes.append(f"shards: {len(old['shards'])} -> {len(new['shards'])}")
+    return changes
+
+
+def verify_inputs(plan: Plan) -> None:
+    """Refuse to work on inputs that changed since the plan was made."""
+    problems = [p for f in plan.inputs if (p := inputs.check_unchanged(f))]
+    if problems:
+        raise PlanMismatchError(
+            f"{plan.job_dir / commit.PLAN_FILE}: the inputs changed since the plan was made: "
+            + "; ".join(problems)
+            + ". Restore them, or start over with --force-new-plan (or a new --output directory)"
+        )
+
+
+def open_or_create(candidate: Plan) -> Plan:
+    """The job's plan: `candidate` if none exists yet, else the existing one if it describes the same job."""
+    if candidate.save():
+        log.info("wrote %s (plan %s, %d rows, %d shards)", candidate.job_dir / commit.PLAN_FILE,
+                 candidate.plan_id, candidate.doc["total_rows"], candidate.num_shards)
+        return candidate
+    existing = Plan.load(candidate.job_dir)
+    changes = diff(existing.doc, candidate.doc)
+    if changes:
+        raise PlanMismatchError(
+            f"{existing.job_dir / commit.PLAN_FILE} describes a different job (plan {existing.plan_id}); "
+            "changed: " + "; ".join(changes)
+            + ". Rerun with the original arguments to resume, use a new --output directory, "
+            "or pass --force-new-plan to set the old results aside and start over"
+        )
+    if existing.doc["batchinfer_version"] != __version__:
+        log.warning("plan written by batchinfer %s, resuming with %s", existing.doc["batchinfer_version"],
+                    __version__)
+    return existing
+
+
+def set_aside(job_dir: str | Path) -> Path | None:
+    """Move an existing plan and everything derived from it to `DIR/superseded/<plan_id>/`, so a new
+    plan can start in the same directory without losing or mixing committed results."""
+    job_dir = Path(job_dir).resolve()
+    if not (job_dir / commit.PLAN_FILE).exists():
+        return None
+    old = Plan.load(job_dir)
+    dest = job_dir / "superseded" / f"{old.plan_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    dest.mkdir(parents=True)
+    for name in (commit.SHARDS_DIR, commit.MARKERS_DIR, commit.ATTEMPTS_DIR, commit.LOGS_DIR, commit.PLAN_FILE):
+        if (job_dir / name).exists():
+            (job_dir / name).rename(dest / name)
+    log.warning("set the previous plan %s and its results aside in %s", old.plan_id, dest)
+    return dest

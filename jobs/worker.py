@@ -1,0 +1,223 @@
+"""`run_shard`: the only code that does work. Executors (the local loop in `batchinfer run`, several
+GPUs, Slurm array tasks) only decide where and when it runs.
+
+Contract of `run_shard(plan, shard_id, engine, *, stop=None, progress=None) -> ShardResult`:
+- It takes the shard's lock itself (`jobs.lock.shard_lock`, non-blocking). If another process holds it,
+  it returns at once with status "locked" and touches nothing.
+- It processes every attempt with rows in the shard (1 = the plan's row range, 2.. = retry-errors
+  attempts) in order, in chunks of `plan.chunk_rows` rows. A chunk whose file exists is committed and
+  skipped; stray temporary files of killed writers are removed. Each chunk is read, sent to
+  `engine.generate` in one call and published atomically as one Parquet file. After the last chunk of
+  an attempt it writes the attempt's shard marker. Returns status "done".
+- Before each chunk it checks `stop` (a StopFlag, set by SIGUSR2/SIGTERM once `install()`ed): when set,
+  it returns status "stopped" with the chunk in flight committed; the process should exit EXIT_STOPPED
+  so Slurm requeues it. The handler only sets the flag; nothing exits from inside it.
+- Bad rows are output rows. An exception from the engine (a dead engine) or an unreadable input
+  propagates after logging; everything committed before it stays, and a rerun resumes there.
+- It logs to `DIR/logs/shard-NNNNN.log` as well as to the normal handlers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchinfer import __version__
+from batchinfer.engine.api import TextEngine
+from batchinfer.jobs import attempts, commit, inputs
+from batchinfer.jobs import requests as rq
+from batchinfer.jobs.lock import shard_lock
+from batchinfer.jobs.plan import Plan
+from batchinfer.jobs.progress import Progress
+
+log = logging.getLogger(__name__)
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request at a chunk boundary; rerun (requeue) to continue
+CHUNK_META = "batchinfer.chunk"
+
+
+class StopFlag:
+    """Asks workers to stop at the next chunk boundary. `install()` makes USR2 and TERM set it
+    (USR2, not USR1: NCCL uses USR1)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._set = False
+
+    def install(self, signals: tuple[int, ...] = (signal.SIGUSR2, signal.SIGTERM)) -> None:
+        for s in signals:
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self._set = True
+
+    def set(self) -> None:
+        self._set = True
+
+    def __bool__(self) -> bool:
+        return self._set
+
+
+@dataclass(slots=True)
+class ShardResult:
+    shard: int
+    status: str  # "done", "stopped" or "locked"
+    chunks: int = 0  # committed by this call
+    rows: int = 0
+    errors: int = 0
+    skipped: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, stats: dict[str, Any]) -> None:
+        self.chunks += 1
+        for key in ("rows", "errors", "skipped", "output_tokens", "seconds"):
+            setattr(self, key, getattr(self, key) + stats[key])
+
+
+@dataclass(slots=True)
+class _Job:
+    """What every chunk of a run needs, computed once per shard."""
+
+    plan: Plan
+    engine: TextEngine
+    files: list[inputs.InputFile]
+    columns: list[str]
+    schema: pa.Schema
+    progress: Progress | None
+    base_meta: dict[str, str] = field(default_factory=dict)
+
+
+def run_shard(
+    plan: Plan, shard_id: int, engine: TextEngine, *, stop: StopFlag | None = None, progress: Progress | None = None
+) -> ShardResult:
+    """Process whatever is left of one shard; see the module docstring for the contract."""
+    plan.shard_range(shard_id)  # validates the id
+    with shard_lock(plan.job_dir, shard_id) as held:
+        if not held:
+            log.info("shard %05d is locked by another runner; skipping it", shard_id)
+            return ShardResult(shard_id, "locked")
+        handler = _attach_log(plan.job_dir, shard_id)
+        try:
+            return _run_locked(plan, shard_id, engine, stop, progress)
+        except Exception:
+            log.exception("shard %05d failed; committed chunks are kept and a rerun resumes after them", shard_id)
+            raise
+        finally:
+            logging.getLogger("batchinfer").removeHandler(handler)
+            handler.close()
+
+
+def _run_locked(plan: Plan, shard: int, engine: TextEngine, stop: StopFlag | None,
+                progress: Progress | None) -> ShardResult:
+    result = ShardResult(shard, "done")
+    files = plan.inputs
+    keep = [pa.field(c, inputs.column_type(files, c)) for c in plan.keep_columns]
+    job = _Job(plan, engine, files, rq.read_columns(plan.keep_columns), rq.output_schema(plan.id_arrow_type, keep),
+               progress)
+    commit.remove_stale_tmp(plan.job_dir / commit.SHARDS_DIR / f"{shard:05d}")
+    for attempt in attempts.shard_attempts(plan, shard):
+        marker = commit.marker_path(plan.job_dir, shard, attempt)
+        if marker.exists():
+            continue
+        rows = attempts.attempt_rows(plan, shard, attempt)
+        log.info("shard %05d attempt %d: %d rows in %d chunks", shard, attempt, len(rows),
+                 -(-len(rows) // plan.chunk_rows))
+        done: list[dict[str, Any]] = []
+        for c, lo in enumerate(range(0, len(rows), plan.chunk_rows)):
+            path = commit.chunk_path(plan.job_dir, shard, attempt, c)
+            if path.exists():
+                done.append(chunk_stats(path))
+                continue
+            if stop:
+                log.info("shard %05d: stop requested; stopping before chunk %d", shard, c)
+                result.status = "stopped"
+                return result
+            stats = _process_chunk(job, shard, attempt, c, rows[lo : lo + plan.chunk_rows], path)
+            result.add(stats)
+            done.append(stats)
+        _write_marker(plan, shard, attempt, done)
+    log.info("shard %05d done: %d rows processed now, %d errors, %d skipped", shard, result.rows, result.errors,
+             result.skipped)
+    return result
+
+
+def _process_chunk(job: _Job, shard: int, attempt: int, chunk: int, rows: np.ndarray, path: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    table = inputs.read_rows(job.files, rows, job.columns)
+    cols = {c: table.column(c).to_pylist() for c in rq.INPUT_COLUMNS}
+    ids = cols["id"]
+    reqs, results_err, seeds = rq.build_requests(cols, job.plan.sampling, job.plan.seed)
+    results = {r.index: r for r in results_err}
+    if reqs:
+        on_tokens = job.progress.tokens if job.progress else None
+        results.update(rq.collect(job.engine.generate(reqs, on_tokens), {r.index for r in reqs}))
+    out = rq.output_table(job.schema, ids, rows.tolist(), results, seeds, attempt, shard,
+                          table.select(job.plan.keep_columns))
+    reasons = out.column("finish_reason").to_pylist()
+    stats = {
+        "shard": shard, "attempt": attempt, "chunk": chunk, "rows": len(ids),
+        "errors": reasons.count("error"), "skipped": reasons.count("skipped"),
+        "prompt_tokens": sum(r.prompt_tokens for r in results.values()),
+        "output_tokens": sum(r.output_tokens for r in results.values()),
+        "seconds": round(time.monotonic() - t0, 4),
+        "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if not job.base_meta:
+        job.base_meta = file_metadata(job.plan, job.engine)
+    commit.write_parquet_atomic(path, out, {**job.base_meta, CHUNK_META: json.dumps(stats)})
+    log.info("shard %05d attempt %d chunk %d committed: %d rows (%d errors, %d skipped), %d tokens in %.2f s",
+             shard, attempt, chunk, stats["rows"], stats["errors"], stats["skipped"], stats["output_tokens"],
+             stats["seconds"])
+    if job.progress:
+        job.progress.chunk(stats)
+    return stats
+
+
+def file_metadata(plan: Plan, engine: TextEngine) -> dict[str, str]:
+    """Key-value metadata on every output file: who made it, with what, under which plan."""
+    facts = engine.describe()
+    return {
+        "batchinfer.version": __version__,
+        "batchinfer.plan_id": plan.plan_id,
+        "batchinfer.model": plan.doc["model"]["path"],
+        "batchinfer.model_config_hash": plan.doc["model"]["config_hash"],
+        "batchinfer.quantization": str(facts.get("quantization", "unknown")),
+        "batchinfer.engine": json.dumps(facts, sort_keys=True),
+        "batchinfer.sampling": json.dumps({**plan.sampling, "job_seed": plan.seed}, sort_keys=True),
+        "batchinfer.schema": f"llm_output/{plan.doc['schemas']['llm_output']}",
+    }
+
+
+def chunk_stats(path: Path) -> dict[str, Any]:
+    """The stats a committed chunk carries in its footer."""
+    return json.loads(pq.read_metadata(path).metadata[CHUNK_META.encode()])
+
+
+def _write_marker(plan: Plan, shard: int, attempt: int, chunks: list[dict[str, Any]]) -> None:
+    doc = {"plan_id": plan.plan_id, "shard": shard, "attempt": attempt, "chunks": len(chunks)}
+    for key in ("rows", "errors", "skipped", "prompt_tokens", "output_tokens"):
+        doc[key] = sum(c[key] for c in chunks)
+    doc["seconds"] = round(sum(c["seconds"] for c in chunks), 3)
+    doc["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    commit.write_json_atomic(commit.marker_path(plan.job_dir, shard, attempt), doc)
+
+
+def _attach_log(job_dir: Path, shard: int) -> logging.Handler:
+    path = commit.log_path(job_dir, shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("batchinfer").addHandler(handler)
+    return handler
