@@ -12,11 +12,11 @@ import logging
 import time
 
 import numpy as np
-
-from batchinfer.errors import InputError
 from batchinfer.jobs import commit
 from batchinfer.jobs.plan import Plan
 from batchinfer.schemas import loader
+
+from batchinfer.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,10 @@ def create_retry(plan: Plan, rows_by_shard: dict[int, list[int]], reasons: list[
         "rows": {str(s): sorted(int(r) for r in rows) for s, rows in sorted(rows_by_shard.items())},
     }
     if not commit.write_json_atomic(commit.attempt_path(plan.job_dir, attempt), doc, exclusive=True):
-        raise InputError(f"{commit.attempt_path(plan.job_dir, attempt)}: another retry-errors created this "
-                         "attempt at the same moment; rerun retry-errors to resume it")
+        raise InputError(
+            f"{commit.attempt_path(plan.job_dir, attempt)}: another retry-errors created this "
+            "attempt at the same moment; rerun retry-errors to resume it"
+        )
     total = sum(len(r) for r in rows_by_shard.values())
     log.info("attempt %d: %d rows to retry in %d shards", attempt, total, len(rows_by_shard))
     return attempt

@@ -18,8 +18,14 @@ from batchinfer.engine.api import TextRequest, TextResult
 
 
 class EchoEngine:
-    def __init__(self, model_path: str, delay: str = "0", fail_marker: str = "", crash_marker: str = "",
-                 max_context: str = "2048") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        delay: str = "0",
+        fail_marker: str = "",
+        crash_marker: str = "",
+        max_context: str = "2048",
+    ) -> None:
         self.model_path = str(model_path)
         self.delay = float(delay)
         self.fail_marker = fail_marker
@@ -44,14 +50,24 @@ class EchoEngine:
         text = req.prompt if req.prompt is not None else "\n".join(m["content"] for m in req.messages or [])
         words = text.split()
         if self.crash_marker and self.crash_marker in text:
-            raise RuntimeError(f"echo engine crashed on request {req.index} (crash_marker {self.crash_marker!r})")
+            raise RuntimeError(
+                f"echo engine crashed on request {req.index} (crash_marker {self.crash_marker!r})"
+            )
         if not words:
             return TextResult(req.index, "", "skipped", 0, 0, error="empty prompt")
         if len(words) > self.max_context:
-            return TextResult(req.index, "", "skipped", len(words), 0,
-                              error=f"prompt has {len(words)} tokens, beyond the context length {self.max_context}")
+            return TextResult(
+                req.index,
+                "",
+                "skipped",
+                len(words),
+                0,
+                error=f"prompt has {len(words)} tokens, beyond the context length {self.max_context}",
+            )
         if self.fail_marker and self.fail_marker in text:
-            return TextResult(req.index, "", "error", len(words), 0, error="echo engine failed the row (fail_marker)")
+            return TextResult(
+                req.index, "", "error", len(words), 0, error="echo engine failed the row (fail_marker)"
+            )
         out = words[::-1]
         if req.sampling.temperature > 0:
             random.Random(req.sampling.seed).shuffle(out)

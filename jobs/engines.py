@@ -64,7 +64,9 @@ class LazyEngine:
         if self._engine is None:
             t0 = time.monotonic()
             self._engine = resolve_factory(self.factory)(self.model_path, **self.args)
-            log.info("loaded engine %s for %s in %.1f s", self.factory, self.model_path, time.monotonic() - t0)
+            log.info(
+                "loaded engine %s for %s in %.1f s", self.factory, self.model_path, time.monotonic() - t0
+            )
         return self._engine
 
     def describe(self) -> dict[str, str]:

@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from batchinfer.schemas import loader
 
 from batchinfer.errors import InputError
-from batchinfer.schemas import loader
 
 FOOTER_BYTES = 64 * 1024
 
@@ -34,8 +34,13 @@ class InputFile:
     row_offset: int  # global index of this file's first row
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "size": self.size, "rows": self.rows,
-                "fingerprint": self.fingerprint, "row_offset": self.row_offset}
+        return {
+            "path": self.path,
+            "size": self.size,
+            "rows": self.rows,
+            "fingerprint": self.fingerprint,
+            "row_offset": self.row_offset,
+        }
 
 
 def resolve(patterns: Sequence[str]) -> list[Path]:
@@ -119,8 +124,10 @@ def column_type(files: Sequence[InputFile], column: str) -> pa.DataType:
     for f in files:
         schema = pq.ParquetFile(f.path).schema_arrow
         if column not in schema.names:
-            raise InputError(f"{f.path}: --keep-columns names column {column!r}, which this file lacks; "
-                             f"found columns {schema.names}")
+            raise InputError(
+                f"{f.path}: --keep-columns names column {column!r}, which this file lacks; "
+                f"found columns {schema.names}"
+            )
         found[f.path] = schema.field(column).type
     if len(set(map(str, found.values()))) > 1:
         detail = ", ".join(f"{p}: {t}" for p, t in found.items())
@@ -139,8 +146,10 @@ def check_ids(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
         nulls = col.null_count
         if nulls:
             first = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-            raise InputError(f"{f.path}: column 'id' has {nulls} null value(s), first at row {first}; "
-                             "expected a unique non-null id on every row")
+            raise InputError(
+                f"{f.path}: column 'id' has {nulls} null value(s), first at row {first}; "
+                "expected a unique non-null id on every row"
+            )
         arrays.append(col.cast(id_arrow_type))
     ids = pa.chunked_array(arrays, type=id_arrow_type)
     counts = pc.value_counts(ids)
@@ -149,10 +158,14 @@ def check_ids(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
         value = dup[0]["values"].as_py()
         where = []
         for f, arr in zip(files, arrays, strict=True):
-            hits = np.flatnonzero(pc.equal(arr, pa.scalar(value, id_arrow_type)).to_numpy(zero_copy_only=False))
+            hits = np.flatnonzero(
+                pc.equal(arr, pa.scalar(value, id_arrow_type)).to_numpy(zero_copy_only=False)
+            )
             where += [f"{f.path} row {int(i)}" for i in hits[:3]]
-        raise InputError(f"column 'id' has {len(dup)} duplicated value(s); id {value!r} appears at "
-                         f"{', '.join(where)}; ids must be unique across all input files")
+        raise InputError(
+            f"column 'id' has {len(dup)} duplicated value(s); id {value!r} appears at "
+            f"{', '.join(where)}; ids must be unique across all input files"
+        )
 
 
 def read_rows(files: Sequence[InputFile], rows: np.ndarray, columns: Sequence[str]) -> pa.Table:

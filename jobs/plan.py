@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from batchinfer.jobs import commit, inputs
+from batchinfer.schemas import loader
 
 from batchinfer import __version__
 from batchinfer.engine.api import SamplingParams
 from batchinfer.errors import InputError, PlanMismatchError
-from batchinfer.jobs import commit, inputs
 from batchinfer.models.config import ModelConfig
-from batchinfer.schemas import loader
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,15 @@ class Plan:
         job_dir = Path(job_dir).resolve()
         path = job_dir / commit.PLAN_FILE
         if not path.exists():
-            raise InputError(f"{path}: no plan here; start the job with `batchinfer run --input ... --output "
-                             f"{job_dir} --model ...`")
+            raise InputError(
+                f"{path}: no plan here; start the job with `batchinfer run --input ... --output "
+                f"{job_dir} --model ...`"
+            )
         try:
             doc = commit.read_json(path)
-            loader.check_json(loader.load("plan", doc.get("schema_version") if isinstance(doc, dict) else None), doc)
+            loader.check_json(
+                loader.load("plan", doc.get("schema_version") if isinstance(doc, dict) else None), doc
+            )
         except (json.JSONDecodeError, KeyError, loader.SchemaMismatch) as e:
             raise InputError(f"{path}: not a valid plan ({e})") from None
         return cls(job_dir, doc)
@@ -135,8 +139,10 @@ def build_plan(
     reserved = set(loader.load("llm_output").names())
     for c in keep_columns:
         if c in reserved:
-            raise InputError(f"--keep-columns {c!r} collides with the output column of that name; "
-                             f"output columns are {sorted(reserved)}")
+            raise InputError(
+                f"--keep-columns {c!r} collides with the output column of that name; "
+                f"output columns are {sorted(reserved)}"
+            )
         inputs.column_type(files, c)
     if check_ids:
         inputs.check_ids(files, id_type)
@@ -160,9 +166,14 @@ def build_plan(
         "keep_columns": list(keep_columns),
         "total_rows": total,
         "chunk_rows": chunk_rows,
-        "shards": [{"shard": i, "start": s, "end": e} for i, (s, e) in enumerate(split_rows(total, num_shards))],
-        "model": {"path": str(Path(model_path).resolve()), "config_hash": config.config_hash(),
-                  "model_type": config.model_type},
+        "shards": [
+            {"shard": i, "start": s, "end": e} for i, (s, e) in enumerate(split_rows(total, num_shards))
+        ],
+        "model": {
+            "path": str(Path(model_path).resolve()),
+            "config_hash": config.config_hash(),
+            "model_type": config.model_type,
+        },
         "engine": {"factory": engine, "args": dict(engine_args or {})},
         "sampling": dict(sampling),
         "seed": int(seed),
@@ -190,11 +201,23 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                 changes.append(f"input file changed: {p}: {key} {old_in[p][key]} -> {new_in[p][key]}")
     if not changes and [f["path"] for f in old["inputs"]] != [f["path"] for f in new["inputs"]]:
         changes.append("input files are in a different order")
-    for key in ("task", "id_type", "keep_columns", "total_rows", "chunk_rows", "model", "engine", "sampling",
-                "seed", "schemas"):
+    for key in (
+        "task",
+        "id_type",
+        "keep_columns",
+        "total_rows",
+        "chunk_rows",
+        "model",
+        "engine",
+        "sampling",
+        "seed",
+        "schemas",
+    ):
         if old.get(key) != new.get(key):
-            changes.append(f"{key}: {json.dumps(old.get(key), sort_keys=True)} -> "
-                           f"{json.dumps(new.get(key), sort_keys=True)}")
+            changes.append(
+                f"{key}: {json.dumps(old.get(key), sort_keys=True)} -> "
+                f"{json.dumps(new.get(key), sort_keys=True)}"
+            )
     if len(old["shards"]) != len(new["shards"]):
         changes.append(f"shards: {len(old['shards'])} -> {len(new['shards'])}")
     return changes
@@ -214,21 +237,28 @@ def verify_inputs(plan: Plan) -> None:
 def open_or_create(candidate: Plan) -> Plan:
     """The job's plan: `candidate` if none exists yet, else the existing one if it describes the same job."""
     if candidate.save():
-        log.info("wrote %s (plan %s, %d rows, %d shards)", candidate.job_dir / commit.PLAN_FILE,
-                 candidate.plan_id, candidate.doc["total_rows"], candidate.num_shards)
+        log.info(
+            "wrote %s (plan %s, %d rows, %d shards)",
+            candidate.job_dir / commit.PLAN_FILE,
+            candidate.plan_id,
+            candidate.doc["total_rows"],
+            candidate.num_shards,
+        )
         return candidate
     existing = Plan.load(candidate.job_dir)
     changes = diff(existing.doc, candidate.doc)
     if changes:
         raise PlanMismatchError(
             f"{existing.job_dir / commit.PLAN_FILE} describes a different job (plan {existing.plan_id}); "
-            "changed: " + "; ".join(changes)
+            "changed: "
+            + "; ".join(changes)
             + ". Rerun with the original arguments to resume, use a new --output directory, "
             "or pass --force-new-plan to set the old results aside and start over"
         )
     if existing.doc["batchinfer_version"] != __version__:
-        log.warning("plan written by batchinfer %s, resuming with %s", existing.doc["batchinfer_version"],
-                    __version__)
+        log.warning(
+            "plan written by batchinfer %s, resuming with %s", existing.doc["batchinfer_version"], __version__
+        )
     return existing
 
 
@@ -241,7 +271,13 @@ def set_aside(job_dir: str | Path) -> Path | None:
     old = Plan.load(job_dir)
     dest = job_dir / "superseded" / f"{old.plan_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     dest.mkdir(parents=True)
-    for name in (commit.SHARDS_DIR, commit.MARKERS_DIR, commit.ATTEMPTS_DIR, commit.LOGS_DIR, commit.PLAN_FILE):
+    for name in (
+        commit.SHARDS_DIR,
+        commit.MARKERS_DIR,
+        commit.ATTEMPTS_DIR,
+        commit.LOGS_DIR,
+        commit.PLAN_FILE,
+    ):
         if (job_dir / name).exists():
             (job_dir / name).rename(dest / name)
     log.warning("set the previous plan %s and its results aside in %s", old.plan_id, dest)

@@ -31,8 +31,17 @@ class Progress:
             from tqdm import tqdm
 
             self._bars = (
-                tqdm(total=rows_total, unit="row", desc="rows", position=0, file=sys.stderr, dynamic_ncols=True),
-                tqdm(unit="tok", desc="tokens", position=1, file=sys.stderr, dynamic_ncols=True, unit_scale=True),
+                tqdm(
+                    total=rows_total, unit="row", desc="rows", position=0, file=sys.stderr, dynamic_ncols=True
+                ),
+                tqdm(
+                    unit="tok",
+                    desc="tokens",
+                    position=1,
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                    unit_scale=True,
+                ),
             )
         self._emit({"event": "start", "rows_total": rows_total, "shards": shards})
 
@@ -55,10 +64,19 @@ class Progress:
         self.rows_done += stats["rows"]
         if self._bars:
             self._bars[0].update(stats["rows"])
-        self._emit({"event": "chunk", **{k: stats[k] for k in ("shard", "attempt", "chunk", "rows", "errors",
-                                                               "skipped", "output_tokens")},
-                    "rows_done": self.rows_done, "rows_total": self.rows_total,
-                    "tokens_per_s": self.tokens_per_s(), "elapsed_s": round(time.monotonic() - self.t0, 2)})
+        self._emit(
+            {
+                "event": "chunk",
+                **{
+                    k: stats[k]
+                    for k in ("shard", "attempt", "chunk", "rows", "errors", "skipped", "output_tokens")
+                },
+                "rows_done": self.rows_done,
+                "rows_total": self.rows_total,
+                "tokens_per_s": self.tokens_per_s(),
+                "elapsed_s": round(time.monotonic() - self.t0, 2),
+            }
+        )
 
     def shard(self, shard: int, status: str) -> None:
         self._emit({"event": "shard", "shard": shard, "status": status})
@@ -67,6 +85,13 @@ class Progress:
         if self._bars:
             for bar in self._bars:
                 bar.close()
-        self._emit({"event": "end", "status": status, "rows_done": self.rows_done,
-                    "output_tokens": self.output_tokens, "tokens_per_s": self.tokens_per_s(),
-                    "elapsed_s": round(time.monotonic() - self.t0, 2)})
+        self._emit(
+            {
+                "event": "end",
+                "status": status,
+                "rows_done": self.rows_done,
+                "output_tokens": self.output_tokens,
+                "tokens_per_s": self.tokens_per_s(),
+                "elapsed_s": round(time.monotonic() - self.t0, 2),
+            }
+        )

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pyarrow as pa
+from batchinfer.schemas import loader
 
 from batchinfer.engine.api import FINISH_REASONS, SamplingParams, TextRequest, TextResult
-from batchinfer.schemas import loader
 
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "stop")
 INPUT_COLUMNS = ("id", "prompt", "messages", *SAMPLING_COLUMNS, "seed")
@@ -74,7 +74,9 @@ def build_requests(
             problem = "prompt and messages are both set; give exactly one per row"
         elif messages is not None:
             problem = _check_messages(messages)
-            messages = [{k: v for k, v in m.items() if v is not None} for m in messages] if not problem else None
+            messages = (
+                [{k: v for k, v in m.items() if v is not None} for m in messages] if not problem else None
+            )
         params = {**job_sampling, "seed": seed}
         for key in SAMPLING_COLUMNS:
             if columns[key][i] is not None:
@@ -85,8 +87,11 @@ def build_requests(
             except (TypeError, ValueError) as e:
                 problem = f"invalid sampling parameters: {e}"
         if problem is not None:
-            errors.append(TextResult(index=i, text="", finish_reason="error", prompt_tokens=0, output_tokens=0,
-                                     error=problem))
+            errors.append(
+                TextResult(
+                    index=i, text="", finish_reason="error", prompt_tokens=0, output_tokens=0, error=problem
+                )
+            )
             continue
         requests.append(TextRequest(index=i, prompt=prompt, messages=messages, sampling=sampling))
     return requests, errors, seeds
@@ -101,11 +106,15 @@ def collect(results: Iterable[TextResult], expected: set[int]) -> dict[int, Text
         if r.index in got:
             raise RuntimeError(f"engine returned two results for request index {r.index}")
         if r.finish_reason not in FINISH_REASONS:
-            raise RuntimeError(f"engine returned finish_reason {r.finish_reason!r}; expected one of {FINISH_REASONS}")
+            raise RuntimeError(
+                f"engine returned finish_reason {r.finish_reason!r}; expected one of {FINISH_REASONS}"
+            )
         got[r.index] = r
     missing = expected - got.keys()
     if missing:
-        raise RuntimeError(f"engine returned no result for {len(missing)} request(s), e.g. index {min(missing)}")
+        raise RuntimeError(
+            f"engine returned no result for {len(missing)} request(s), e.g. index {min(missing)}"
+        )
     return got
 
 
@@ -137,7 +146,9 @@ def output_table(
         "finish_reason": [r.finish_reason for r in res],
         "prompt_tokens": [r.prompt_tokens for r in res],
         "output_tokens": [r.output_tokens for r in res],
-        "error": [r.error if r.error or not bad else r.finish_reason for r, bad in zip(res, failed, strict=True)],
+        "error": [
+            r.error if r.error or not bad else r.finish_reason for r, bad in zip(res, failed, strict=True)
+        ],
         "attempt": [attempt] * len(ids),
         "shard": [shard] * len(ids),
         "seed": seeds,

@@ -30,14 +30,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from batchinfer import __version__
-from batchinfer.engine.api import TextEngine
 from batchinfer.jobs import attempts, commit, inputs
 from batchinfer.jobs import requests as rq
 from batchinfer.jobs.lock import shard_lock
 from batchinfer.jobs.plan import Plan
 from batchinfer.jobs.progress import Progress
+
+from batchinfer import __version__
+from batchinfer.engine.api import TextEngine
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,12 @@ class _Job:
 
 
 def run_shard(
-    plan: Plan, shard_id: int, engine: TextEngine, *, stop: StopFlag | None = None, progress: Progress | None = None
+    plan: Plan,
+    shard_id: int,
+    engine: TextEngine,
+    *,
+    stop: StopFlag | None = None,
+    progress: Progress | None = None,
 ) -> ShardResult:
     """Process whatever is left of one shard; see the module docstring for the contract."""
     plan.shard_range(shard_id)  # validates the id
@@ -111,28 +116,42 @@ def run_shard(
         try:
             return _run_locked(plan, shard_id, engine, stop, progress)
         except Exception:
-            log.exception("shard %05d failed; committed chunks are kept and a rerun resumes after them", shard_id)
+            log.exception(
+                "shard %05d failed; committed chunks are kept and a rerun resumes after them", shard_id
+            )
             raise
         finally:
             logging.getLogger("batchinfer").removeHandler(handler)
             handler.close()
 
 
-def _run_locked(plan: Plan, shard: int, engine: TextEngine, stop: StopFlag | None,
-                progress: Progress | None) -> ShardResult:
+def _run_locked(
+    plan: Plan, shard: int, engine: TextEngine, stop: StopFlag | None, progress: Progress | None
+) -> ShardResult:
     result = ShardResult(shard, "done")
     files = plan.inputs
     keep = [pa.field(c, inputs.column_type(files, c)) for c in plan.keep_columns]
-    job = _Job(plan, engine, files, rq.read_columns(plan.keep_columns), rq.output_schema(plan.id_arrow_type, keep),
-               progress)
+    job = _Job(
+        plan,
+        engine,
+        files,
+        rq.read_columns(plan.keep_columns),
+        rq.output_schema(plan.id_arrow_type, keep),
+        progress,
+    )
     commit.remove_stale_tmp(plan.job_dir / commit.SHARDS_DIR / f"{shard:05d}")
     for attempt in attempts.shard_attempts(plan, shard):
         marker = commit.marker_path(plan.job_dir, shard, attempt)
         if marker.exists():
             continue
         rows = attempts.attempt_rows(plan, shard, attempt)
-        log.info("shard %05d attempt %d: %d rows in %d chunks", shard, attempt, len(rows),
-                 -(-len(rows) // plan.chunk_rows))
+        log.info(
+            "shard %05d attempt %d: %d rows in %d chunks",
+            shard,
+            attempt,
+            len(rows),
+            -(-len(rows) // plan.chunk_rows),
+        )
         done: list[dict[str, Any]] = []
         for c, lo in enumerate(range(0, len(rows), plan.chunk_rows)):
             path = commit.chunk_path(plan.job_dir, shard, attempt, c)
@@ -147,12 +166,19 @@ def _run_locked(plan: Plan, shard: int, engine: TextEngine, stop: StopFlag | Non
             result.add(stats)
             done.append(stats)
         _write_marker(plan, shard, attempt, done)
-    log.info("shard %05d done: %d rows processed now, %d errors, %d skipped", shard, result.rows, result.errors,
-             result.skipped)
+    log.info(
+        "shard %05d done: %d rows processed now, %d errors, %d skipped",
+        shard,
+        result.rows,
+        result.errors,
+        result.skipped,
+    )
     return result
 
 
-def _process_chunk(job: _Job, shard: int, attempt: int, chunk: int, rows: np.ndarray, path: Path) -> dict[str, Any]:
+def _process_chunk(
+    job: _Job, shard: int, attempt: int, chunk: int, rows: np.ndarray, path: Path
+) -> dict[str, Any]:
     t0 = time.monotonic()
     table = inputs.read_rows(job.files, rows, job.columns)
     cols = {c: table.column(c).to_pylist() for c in rq.INPUT_COLUMNS}
@@ -162,12 +188,17 @@ def _process_chunk(job: _Job, shard: int, attempt: int, chunk: int, rows: np.nda
     if reqs:
         on_tokens = job.progress.tokens if job.progress else None
         results.update(rq.collect(job.engine.generate(reqs, on_tokens), {r.index for r in reqs}))
-    out = rq.output_table(job.schema, ids, rows.tolist(), results, seeds, attempt, shard,
-                          table.select(job.plan.keep_columns))
+    out = rq.output_table(
+        job.schema, ids, rows.tolist(), results, seeds, attempt, shard, table.select(job.plan.keep_columns)
+    )
     reasons = out.column("finish_reason").to_pylist()
     stats = {
-        "shard": shard, "attempt": attempt, "chunk": chunk, "rows": len(ids),
-        "errors": reasons.count("error"), "skipped": reasons.count("skipped"),
+        "shard": shard,
+        "attempt": attempt,
+        "chunk": chunk,
+        "rows": len(ids),
+        "errors": reasons.count("error"),
+        "skipped": reasons.count("skipped"),
         "prompt_tokens": sum(r.prompt_tokens for r in results.values()),
         "output_tokens": sum(r.output_tokens for r in results.values()),
         "seconds": round(time.monotonic() - t0, 4),
@@ -176,9 +207,17 @@ def _process_chunk(job: _Job, shard: int, attempt: int, chunk: int, rows: np.nda
     if not job.base_meta:
         job.base_meta = file_metadata(job.plan, job.engine)
     commit.write_parquet_atomic(path, out, {**job.base_meta, CHUNK_META: json.dumps(stats)})
-    log.info("shard %05d attempt %d chunk %d committed: %d rows (%d errors, %d skipped), %d tokens in %.2f s",
-             shard, attempt, chunk, stats["rows"], stats["errors"], stats["skipped"], stats["output_tokens"],
-             stats["seconds"])
+    log.info(
+        "shard %05d attempt %d chunk %d committed: %d rows (%d errors, %d skipped), %d tokens in %.2f s",
+        shard,
+        attempt,
+        chunk,
+        stats["rows"],
+        stats["errors"],
+        stats["skipped"],
+        stats["output_tokens"],
+        stats["seconds"],
+    )
     if job.progress:
         job.progress.chunk(stats)
     return stats

@@ -80,7 +80,10 @@ class Schema:
         """Concrete Arrow schema; `overrides` picks the type of alternative fields such as `id`."""
         overrides = overrides or {}
         return pa.schema(
-            [pa.field(f.name, overrides.get(f.name) or to_arrow(f.type), nullable=f.nullable) for f in self.fields]
+            [
+                pa.field(f.name, overrides.get(f.name) or to_arrow(f.type), nullable=f.nullable)
+                for f in self.fields
+            ]
         )
 
 
@@ -107,7 +110,13 @@ def load(name: str, version: int | None = None) -> Schema:
         raise KeyError(f"schema {name!r} has no version {version}; shipped versions: {have}")
     raw = json.loads((SCHEMA_DIR / f"{name}.v{version}.json").read_text())
     fields = tuple(
-        FieldSpec(f["name"], f["type"], bool(f.get("required", False)), bool(f.get("nullable", True)), f.get("doc", ""))
+        FieldSpec(
+            f["name"],
+            f["type"],
+            bool(f.get("required", False)),
+            bool(f.get("nullable", True)),
+            f.get("doc", ""),
+        )
         for f in raw["fields"]
     )
     one_of = tuple(tuple(group) for group in raw.get("one_of", []))
@@ -147,9 +156,13 @@ def type_matches(type_str: str, actual: pa.DataType) -> bool:
         return any(type_matches(a, actual) for a in alternatives)
     t = type_str.strip()
     if t in ("string",):
-        return pa.types.is_string(actual) or pa.types.is_large_string(actual) or pa.types.is_string_view(actual)
+        return (
+            pa.types.is_string(actual) or pa.types.is_large_string(actual) or pa.types.is_string_view(actual)
+        )
     if t == "binary":
-        return pa.types.is_binary(actual) or pa.types.is_large_binary(actual) or pa.types.is_binary_view(actual)
+        return (
+            pa.types.is_binary(actual) or pa.types.is_large_binary(actual) or pa.types.is_binary_view(actual)
+        )
     if t == "boolean":
         return pa.types.is_boolean(actual)
     if t in ("integer", "int32", "int64"):
@@ -189,9 +202,7 @@ def check_arrow(schema: Schema, actual: pa.Schema) -> None:
             raise SchemaMismatch(f"column {f.name!r}: expected type {f.type}, found {found}")
     for group in schema.one_of:
         if not present & set(group):
-            raise SchemaMismatch(
-                f"needs one of the columns {list(group)}; found columns {actual.names}"
-            )
+            raise SchemaMismatch(f"needs one of the columns {list(group)}; found columns {actual.names}")
 
 
 def check_json(schema: Schema, doc: Any) -> None:
@@ -206,4 +217,6 @@ def check_json(schema: Schema, doc: Any) -> None:
         value = doc[f.name]
         ok = _JSON_TYPES[f.type]
         if not isinstance(value, ok) or (isinstance(value, bool) and f.type != "boolean"):
-            raise SchemaMismatch(f"key {f.name!r}: expected {f.type}, found {type(value).__name__} {value!r:.60}")
+            raise SchemaMismatch(
+                f"key {f.name!r}: expected {f.type}, found {type(value).__name__} {value!r:.60}"
+            )
