@@ -1,0 +1,97 @@
+"""Benchmark cases for the linear kernels (NVFP4 W4A16, FP8 W8A16) at the real shapes of both models.
+
+Baselines: "dequant+cublas" (the weight's torch `dequantize` to bf16, then `x @ W^T`), "cublas_bf16"
+(`x @ W^T` on a bf16 weight already in memory: the same-shape ceiling of issue 5's large-M target)
+and, for FP8, "scaled_mm_w8a8" (per-token FP8 activations through cuBLAS `torch._scaled_mm`,
+quantization included), which is what an FP8-tensor-core path would reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
+from batchinfer.kernels.fp8_gemm import fp8_gemm
+from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
+from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm
+from batchinfer.models.config import ModelConfig
+
+
+def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the distinct linears of one model; lm_head last."""
+    d = cfg.hidden_size
+    q_rows = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+    shapes = [("q_proj", q_rows, d), ("kv_proj", cfg.num_key_value_heads * cfg.head_dim, d),
+              ("o_proj", d, cfg.num_attention_heads * cfg.head_dim)]
+    if cfg.has_linear_attention:
+        kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        shapes += [("in_proj_qkv", 2 * kd + vd, d), ("in_proj_z", vd, d), ("out_proj", d, vd)]
+    inter = cfg.moe_intermediate_size
+    shapes += [("expert_gate_up", inter, d), ("expert_down", d, inter)]
+    shapes.append(("lm_head", cfg.vocab_size, d))
+    seen: set[tuple[int, int]] = set()
+    return [s for s in shapes if not ((s[1], s[2]) in seen or seen.add((s[1], s[2])))]
+
+
+def _weights(kind: str, n: int, k: int, count: int, device: torch.device) -> list[NVFP4Weight | FP8Weight]:
+    """`count` distinct quantized weights; quantized once on the GPU and perturbed by code bytes."""
+    base = torch.randn(n, k, device=device) * 0.02
+    w0 = quantize_nvfp4(base) if kind == "nvfp4" else quantize_fp8(base)
+    out = [w0]
+    for i in range(1, count):
+        if kind == "nvfp4":
+            out.append(NVFP4Weight(w0.packed.roll(i, dims=1).contiguous(), w0.block_scale, w0.tensor_scale))
+        else:
+            out.append(FP8Weight(w0.data.roll(i, dims=1).contiguous(), w0.scale))
+    return out
+
+
+def _scaled_mm_w8a8(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12)
+    scale = amax / 448.0
+    xq = (x.float() / scale).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, w_t, scale_a=scale, scale_b=w_scale.reshape(1, 1), out_dtype=torch.bfloat16)
+
+
+def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device) -> Timed:
+    w_bytes = n * k // 2 + n * k // 16 if kind == "nvfp4" else n * k
+    io_bytes = 2 * m * (k + n)
+    sets = rotating_sets(w_bytes + io_bytes)
+    ws = _weights(kind, n, k, sets, device)
+    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(sets)]
+    outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(sets)]
+    w_bf16 = [w.dequantize(torch.bfloat16) for w in ws]  # rotated too, so cuBLAS gets no L2 advantage
+    gemm = nvfp4_gemm if kind == "nvfp4" else fp8_gemm
+    baselines = {
+        "dequant+cublas": lambda i: xs[i] @ ws[i].dequantize(torch.bfloat16).t(),
+        "cublas_bf16": lambda i: torch.matmul(xs[i], w_bf16[i].t(), out=outs[i]),
+    }
+    if kind == "fp8" and m >= 16:
+        w_t = ws[0].data.t()
+        baselines["scaled_mm_w8a8"] = lambda i: _scaled_mm_w8a8(xs[i], w_t, ws[0].scale)
+    return Timed(run=lambda i: gemm(xs[i], ws[i], out=outs[i]), n_sets=sets, bytes=w_bytes + io_bytes,
+                 flops=2 * m * n * k, baselines=baselines)
+
+
+def _linear_target(m: int) -> Target | None:
+    if m <= 16:
+        return Target("bandwidth", 0.70)
+    if m >= 2048:
+        return Target("baseline:cublas_bf16", 0.70)
+    return None
+
+
+@register
+def linear_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[KernelCase]:
+    for name, n, k in linear_shapes(cfg):
+        for m in ms:
+            build = lambda dev, m=m, n=n, k=k: _linear_timed("nvfp4", m, n, k, dev)
+            yield KernelCase("nvfp4_gemm", model, f"{name} N={n} K={k}", m, build, _linear_target(m))
+        if name.startswith(("expert", "lm_head")):
+            continue  # FP8 only where NVIDIA's mixed checkpoints use it: attention and DeltaNet projections
+        for m in ms:
+            yield KernelCase("fp8_gemm", model, f"{name} N={n} K={k}", m,
+                             lambda dev, m=m, n=n, k=k: _linear_timed("fp8", m, n, k, dev))

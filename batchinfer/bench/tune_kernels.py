@@ -1,0 +1,89 @@
+"""Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
+
+Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json`); the winners go by hand
+into `_nvfp4_gemm_configs` / `_fp8_gemm_configs`. Logs one line per (kernel, shape, M) with the best
+config next to the current table's choice and cuBLAS bf16 on the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+from collections.abc import Callable
+
+import torch
+
+from batchinfer.bench.kernel_cases_gemm import _weights
+from batchinfer.bench.kernels import rotating_sets, time_per_call
+from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm
+from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
+
+log = logging.getLogger(__name__)
+
+SHAPES = [(8192, 2048), (2048, 4096), (512, 2048), (2048, 512), (16384, 2048)]
+MS = [1, 16, 32, 64, 128, 512, 4096]
+
+
+def candidates(m: int) -> list[GemmConfig]:
+    if m <= 16:
+        tiles = [(16, 32, 256), (16, 64, 256), (16, 64, 128), (16, 128, 128), (16, 32, 512)]
+        return [GemmConfig(*t, 0, 4, s) for t in tiles for s in (3, 5)]
+    if m <= 64:
+        tiles = [(32, 64, 128), (64, 64, 128), (32, 128, 128), (64, 128, 128), (64, 64, 256), (32, 64, 256)]
+        return [GemmConfig(*t, 0, 4, 4) for t in tiles]
+    if m <= 256:
+        grid = itertools.product((64, 128), (64, 128), (0, 1), (4, 8))
+        return [GemmConfig(bm, 128, bk, sk, w, 3) for bm, bk, sk, w in grid]
+    tiles = [(128, 128, 64), (128, 256, 64), (128, 128, 128), (64, 128, 64), (128, 64, 128)]
+    return [GemmConfig(*t, 1, w, s) for t in tiles for w in (4, 8) for s in (3, 4)]
+
+
+def tune_point(gemm: Callable, table: Callable, ws: list, wb: list, m: int) -> dict:
+    """Time the table's config, every candidate and cuBLAS bf16 for one (shape, M)."""
+    sets, k = len(ws), wb[0].shape[1]
+    xs = [torch.randn(m, k, device=wb[0].device, dtype=torch.bfloat16) for _ in range(sets)]
+    cublas, _ = time_per_call(lambda i: xs[i] @ wb[i].t(), sets, budget_s=0.05)
+    timings = {}
+    for cfg in dict.fromkeys([table(m), *candidates(m)]):
+        try:
+            run = lambda i, c=cfg: gemm(xs[i], ws[i], config=c)
+            timings[cfg], _ = time_per_call(run, sets, budget_s=0.05)
+        except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
+            log.warning("%s: %s", cfg, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+    best = min(timings, key=timings.get)
+    return {"best": dataclasses.astuple(best), "best_us": timings[best] * 1e6,
+            "table_us": timings.get(table(m), float("nan")) * 1e6, "cublas_us": cublas * 1e6,
+            "timings": [[dataclasses.astuple(c), t * 1e6] for c, t in timings.items()]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kinds", default="nvfp4,fp8")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dev = torch.device("cuda")
+    results = []
+    for kind in args.kinds.split(","):
+        gemm, table = (nvfp4_gemm, _nvfp4_gemm_configs) if kind == "nvfp4" else (fp8_gemm, _fp8_gemm_configs)
+        for n, k in SHAPES:
+            wbytes = n * k // 2 + n * k // 16 if kind == "nvfp4" else n * k
+            ws = _weights(kind, n, k, rotating_sets(wbytes), dev)
+            wb = [w.dequantize(torch.bfloat16) for w in ws]
+            for m in MS:
+                r = {"kind": kind, "n": n, "k": k, "m": m, **tune_point(gemm, table, ws, wb, m)}
+                log.info("%s N=%d K=%d M=%d: best %s %.1f us (%.2f TB/s weights); table %.1f; cublas %.1f us",
+                         kind, n, k, m, r["best"], r["best_us"], wbytes / r["best_us"] / 1e6, r["table_us"],
+                         r["cublas_us"])
+                results.append(r)
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+            del ws, wb
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
