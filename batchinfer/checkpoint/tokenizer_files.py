@@ -7,6 +7,7 @@ built-in one); it is not a copy of Qwen's 151k/248k vocabulary.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -45,14 +46,8 @@ BUILTIN_CORPUS = (
 )
 
 
-def build_tokenizer(corpus: Iterable[str], vocab_size: int, out_dir: str | Path) -> None:
-    """Train a byte-level BPE on `corpus` and write `tokenizer.json` and `tokenizer_config.json`.
-
-    Ids: 256 byte tokens first, then merges, then `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`.
-    The total never exceeds `vocab_size` (the model's embedding rows); a small corpus yields
-    fewer merges, and the special tokens then sit right after the last merge. Same corpus and
-    size -> byte-identical files.
-    """
+def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> Tokenizer:
+    """The tokenizer `build_tokenizer` writes, in memory (see there for the id layout)."""
     texts = [t for t in corpus if t]
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ConfigError(
@@ -80,7 +75,18 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int, out_dir: str | Path)
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
 
+
+def build_tokenizer(corpus: Iterable[str], vocab_size: int, out_dir: str | Path) -> None:
+    """Train a byte-level BPE on `corpus` and write `tokenizer.json` and `tokenizer_config.json`.
+
+    Ids: 256 byte tokens first, then merges, then `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`.
+    The total never exceeds `vocab_size` (the model's embedding rows); a small corpus yields
+    fewer merges, and the special tokens then sit right after the last merge. Same corpus and
+    size -> byte-identical files.
+    """
+    tok = train_tokenizer(corpus, vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -113,7 +119,8 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int, out_dir: str | Path)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def special_token_ids(out_dir: str | Path) -> dict[str, int]:
-    """Ids of the special tokens in a `tokenizer.json` written by `build_tokenizer`."""
-    tok = Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
+@functools.cache
+def builtin_special_ids(vocab_size: int) -> dict[str, int]:
+    """Special-token ids of the built-in-corpus tokenizer of a given size (generated checkpoints' EOS)."""
+    tok = train_tokenizer(BUILTIN_CORPUS, vocab_size)
     return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
