@@ -1,0 +1,418 @@
+"""Full attention for both families: fused q/k RMSNorm + RoPE, causal prefill and decode over a KV cache.
+
+Layouts (last dim contiguous, other strides free, so q and the output gate can be views of q_proj's
+interleaved `[T, H, 2 * Dh]` output):
+- prefill: packed tokens `q [T, H, Dh]`, `k, v [T, Hkv, Dh]`, sequences delimited by `cu_seqlens [N + 1]`
+  (int32); each sequence attends causally to itself only (fresh prefill, no cached prefix).
+- decode KV cache, one slot per running sequence: `k_cache, v_cache [slots, Hkv, max_len, Dh]` (bf16),
+  so one (slot, kv head) is a contiguous `[max_len, Dh]` run and a split streams it with wide loads.
+  Token `p` of the sequence in slot `s` sits at `[s, :, p]`; the engine writes new keys with
+  `k_cache[slot_ids, :, positions] = k` and then calls `decode_attention` with `seq_lens` counting them.
+  Rows with `seq_len == 0` (CUDA-graph padding) read nothing and return zeros.
+Numerics: fp32 accumulation and softmax (exp2 with the scale folded in), bf16 tensor-core dots; the
+output gate of Qwen3.5 (`o * sigmoid(gate)`) is fused into the epilogue. Expected error vs `*_ref`:
+~3e-3 relative (bf16 probabilities into the PV dot). GPU: sm_90, Triton's wgmma path; GQA group of 8
+query heads (16/2 and 32/4) shares each K/V tile in decode.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+def _interpreted() -> bool:
+    return "PYTEST_VERSION" in os.environ or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _prefill_configs(head_dim: int) -> dict[str, int]:
+    """Offline-tuned tiles (bench: `kernel_cases_attn`); one small tile under the interpreter/pytest."""
+    if _interpreted():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if head_dim <= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def _decode_configs(head_dim: int) -> dict[str, int]:
+    if _interpreted():
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MIN_SPLIT": 32}
+    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256}
+
+
+@triton.jit
+def _norm_rope_row(x_ptr, w_ptr, out_ptr, pos, inv_freq_ptr, eps,
+                   HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, ONE_PLUS: tl.constexpr):
+    offs = tl.arange(0, HEAD_DIM)
+    rotated = offs < 2 * ROT_HALF
+    partner = tl.where(offs < ROT_HALF, offs + ROT_HALF, tl.where(rotated, offs - ROT_HALF, offs))
+    x = tl.load(x_ptr + offs).to(tl.float32)
+    xp = tl.load(x_ptr + partner).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+    w = tl.load(w_ptr + offs).to(tl.float32)
+    wp = tl.load(w_ptr + partner).to(tl.float32)
+    if ONE_PLUS:
+        w += 1.0
+        wp += 1.0
+    y = x * rstd * w
+    yp = xp * rstd * wp
+    freq = pos * tl.load(inv_freq_ptr + offs % ROT_HALF, mask=rotated, other=0.0)
+    rot = tl.where(offs < ROT_HALF, -yp, yp)  # NeoX rotate_half: pairs (i, i + ROT_HALF)
+    out = tl.where(rotated, y * tl.cos(freq) + rot * tl.sin(freq), y)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,  #
+    H, eps,  #
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,  #
+    HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, ONE_PLUS: tl.constexpr,  #
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    if h < H:
+        _norm_rope_row(q_ptr + t * stride_qt + h * stride_qh, qw_ptr,
+                       q_out_ptr + t * stride_qot + h * stride_qoh, pos, inv_freq_ptr, eps,
+                       HEAD_DIM, ROT_HALF, ONE_PLUS)
+    else:
+        hk = h - H
+        _norm_rope_row(k_ptr + t * stride_kt + hk * stride_kh, kw_ptr,
+                       k_out_ptr + t * stride_kot + hk * stride_koh, pos, inv_freq_ptr, eps,
+                       HEAD_DIM, ROT_HALF, ONE_PLUS)
+
+
+@triton.jit
+def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen, qk_scale,
+                stride_kt, stride_vt, MASKED: tl.constexpr):
+    """One K/V tile of online softmax: k_ptrs `[Dh, BLOCK_N]`, v_ptrs `[BLOCK_N, Dh]` at token n_start."""
+    cols = n_start + offs_n
+    if MASKED:
+        k = tl.load(k_ptrs + n_start * stride_kt, mask=cols[None, :] < seqlen, other=0.0)
+    else:
+        k = tl.load(k_ptrs + n_start * stride_kt)
+    s = tl.dot(q, k) * qk_scale
+    if MASKED:
+        s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] < seqlen), s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptrs + n_start * stride_vt, mask=cols[:, None] < seqlen, other=0.0)
+    else:
+        v = tl.load(v_ptrs + n_start * stride_vt)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_attn_kernel(
+    q_ptr, k_ptr, v_ptr, gate_ptr, o_ptr, cu_ptr,  #
+    H, GROUP, qk_scale,  #
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  #
+    stride_gt, stride_gh, stride_ot, stride_oh,  #
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr,  #
+):
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most causal work) blocks first
+    seq = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    kvh = h // GROUP
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    seqlen = tl.load(cu_ptr + seq + 1) - start
+    m_start = pid_m * BLOCK_M
+    if m_start >= seqlen:
+        return
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < seqlen
+    q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok)
+    k_ptrs = k_ptr + (start + offs_n)[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None]
+    v_ptrs = v_ptr + (start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n_start in range(0, m_start, BLOCK_N):  # fully visible tiles: no mask
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen,
+                                    qk_scale, stride_kt, stride_vt, False)
+    for n_start in range(m_start, tl.minimum(seqlen, m_start + BLOCK_M), BLOCK_N):  # the diagonal
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen,
+                                    qk_scale, stride_kt, stride_vt, True)
+    acc = acc / l_i[:, None]
+    if HAS_GATE:
+        g_ptrs = gate_ptr + (start + offs_m)[:, None] * stride_gt + h * stride_gh + offs_d[None, :]
+        g = tl.load(g_ptrs, mask=row_ok)
+        acc = acc * tl.sigmoid(g.to(tl.float32))
+    o_ptrs = o_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr, kc_ptr, vc_ptr, slot_ptr, len_ptr, gate_ptr, o_ptr, part_o_ptr, part_lse_ptr,  #
+    GROUP, SPLIT_LEN, qk_scale,  #
+    stride_qb, stride_qh, stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct,  #
+    stride_gb, stride_gh, stride_ob, stride_oh,  #
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,  #
+    HAS_GATE: tl.constexpr,  #
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seqlen = tl.load(len_ptr + b)
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, seqlen)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)
+    k_ptrs = kc_ptr + slot * stride_kcs + kvh * stride_kch + offs_n[None, :] * stride_kct + offs_d[:, None]
+    v_ptrs = vc_ptr + slot * stride_vcs + kvh * stride_vch + offs_n[:, None] * stride_vct + offs_d[None, :]
+    m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n_start in range(lo, hi, BLOCK_N):
+        n_ok = n_start + offs_n < hi
+        k = tl.load(k_ptrs + n_start * stride_kct, mask=n_ok[None, :], other=0.0)
+        s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptrs + n_start * stride_vct, mask=n_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    has = l_i > 0.0  # an empty split (or a padded row) contributes nothing
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    if NUM_SPLITS == 1:
+        if HAS_GATE:
+            gate = tl.load(gate_ptr + b * stride_gb + heads[:, None] * stride_gh + offs_d[None, :],
+                           mask=g_ok[:, None], other=0.0)
+            o = o * tl.sigmoid(gate.to(tl.float32))
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # part_* are [B, H, S(, Dh)]
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_o_ptr, part_lse_ptr, gate_ptr, o_ptr,  #
+    H,  #
+    stride_gb, stride_gh, stride_ob, stride_oh,  #
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_GATE: tl.constexpr,  #
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (b * H + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=-float("inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse > -float("inf"), tl.exp2(lse - top), 0.0)
+    total = tl.sum(w, axis=0)
+    parts = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=offs_s[:, None] < NUM_SPLITS, other=0.0)
+    o = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    if HAS_GATE:
+        o = o * tl.sigmoid(tl.load(gate_ptr + b * stride_gb + h * stride_gh + offs_d).to(tl.float32))
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
+
+
+def _check_heads(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if t.shape != shape or t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected shape {shape} with a contiguous last dim, got {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 `[rotary_dim / 2]` inverse frequencies, computed exactly as HF does (so long positions agree)."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float().to(device) / rotary_dim
+    return 1.0 / (theta**exponent)
+
+
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+    positions: torch.Tensor, inv_freq: torch.Tensor, eps: float, one_plus: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q `[T, H, Dh]` and k `[T, Hkv, Dh]`, then NeoX RoPE on the first
+    `2 * len(inv_freq)` dims (64 of 256 for Qwen3.5, all 128 for Qwen3-MoE); returns contiguous q, k."""
+    T, H, Dh = q.shape
+    Hkv = k.shape[1]
+    _check_heads("q", q, (T, H, Dh))
+    _check_heads("k", k, (T, Hkv, Dh))
+    if Dh & (Dh - 1):
+        raise ValueError(f"q: head_dim must be a power of two, got {Dh}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (Dh,):
+            raise ValueError(f"{name}: expected shape ({Dh},), got {tuple(w.shape)}")
+    if positions.shape != (T,) or inv_freq.dtype != torch.float32 or 2 * inv_freq.numel() > Dh:
+        raise ValueError(f"positions/inv_freq: expected [{T}] positions and fp32 inv_freq of at most "
+                         f"{Dh // 2}, got {tuple(positions.shape)} and {inv_freq.dtype} [{inv_freq.numel()}]")
+    q_out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((T, Hkv, Dh), dtype=k.dtype, device=k.device)
+    _qk_norm_rope_kernel[(T, H + Hkv)](
+        q, k, q_weight, k_weight, positions, inv_freq, q_out, k_out,
+        H, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        HEAD_DIM=Dh, ROT_HALF=inv_freq.numel(), ONE_PLUS=one_plus, num_warps=1 if Dh <= 128 else 2,
+    )
+    return q_out, k_out
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+    gate: torch.Tensor | None = None, scale: float | None = None, config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention over packed sequences; returns `[T, H, Dh]` (times sigmoid(gate) if given).
+
+    `max_seqlen` is the longest sequence (host int the scheduler already knows, so no device sync);
+    `config` overrides the tuned tiles (used by the benchmark sweep).
+    """
+    T, H, Dh = q.shape
+    Hkv = k.shape[1]
+    for name, t, shape in (("k", k, (T, Hkv, Dh)), ("v", v, (T, Hkv, Dh)), ("q", q, (T, H, Dh))) + (
+        (("gate", gate, (T, H, Dh)),) if gate is not None else ()
+    ):
+        _check_heads(name, t, shape)
+    if H % Hkv or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"expected H % Hkv == 0 and int32 1-D cu_seqlens, got H={H} Hkv={Hkv} "
+                         f"cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    cfg = dict(config or _prefill_configs(Dh))
+    o = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
+    g = gate if gate is not None else o
+    grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), (cu_seqlens.numel() - 1) * H)
+    _prefill_attn_kernel[grid](
+        q, k, v, g, o, cu_seqlens,
+        H, H // Hkv, (scale if scale is not None else Dh**-0.5) * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), o.stride(0), o.stride(1),
+        HEAD_DIM=Dh, HAS_GATE=gate is not None, **cfg,
+    )
+    return o
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+    seq_lens: torch.Tensor, max_seqlen: int | None = None, gate: torch.Tensor | None = None,
+    scale: float | None = None, config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """One query token per row: q `[B, H, Dh]` over its slot's first `seq_lens[b]` cached tokens.
+
+    `max_seqlen` bounds every seq_len (default: the cache's max_len) and sets the split-KV count;
+    a CUDA graph captures it per bucket. Returns `[B, H, Dh]`, times sigmoid(gate) if given.
+    """
+    B, H, Dh = q.shape
+    _, Hkv, max_len, _ = k_cache.shape
+    _check_heads("q", q, (B, H, Dh))
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_heads(name, t, (k_cache.shape[0], Hkv, max_len, Dh))
+    if gate is not None:
+        _check_heads("gate", gate, (B, H, Dh))
+    if slot_ids.shape != (B,) or seq_lens.shape != (B,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"slot_ids/seq_lens: expected [{B}] (seq_lens int32), got {tuple(slot_ids.shape)}, "
+                         f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if H % Hkv:
+        raise ValueError(f"q: {H} heads is not a multiple of the cache's {Hkv} kv heads")
+    cfg = dict(config or _decode_configs(Dh))
+    min_split = cfg.pop("MIN_SPLIT")
+    max_seqlen = max_len if max_seqlen is None else max_seqlen
+    # Enough (row, kv head, split) programs to fill 132 SMs twice, but no split shorter than min_split.
+    splits = max(1, min(math.ceil(264 / (B * Hkv)), triton.cdiv(max_seqlen, min_split)))
+    split_len = triton.cdiv(triton.cdiv(max_seqlen, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    splits = triton.cdiv(max_seqlen, split_len)
+    o = torch.empty((B, H, Dh), dtype=q.dtype, device=q.device)
+    part_o = torch.empty((B, H, splits, Dh) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, H, splits) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    g = gate if gate is not None else o
+    _decode_attn_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, slot_ids, seq_lens, g, o, part_o, part_lse,
+        H // Hkv, split_len, (scale if scale is not None else Dh**-0.5) * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        g.stride(0), g.stride(1), o.stride(0), o.stride(1),
+        HEAD_DIM=Dh, BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), NUM_SPLITS=splits,
+        HAS_GATE=gate is not None, **cfg,
+    )
+    if splits > 1:
+        _decode_combine_kernel[(B, H)](
+            part_o, part_lse, g, o, H, g.stride(0), g.stride(1), o.stride(0), o.stride(1),
+            HEAD_DIM=Dh, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HAS_GATE=gate is not None,
+            num_warps=4,
+        )
+    return o
+
+
+def qk_norm_rope_ref(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+    positions: torch.Tensor, inv_freq: torch.Tensor, eps: float, one_plus: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 reference of `qk_norm_rope` (HF's RMSNorm then `apply_rotary_pos_emb` on the rotary slice)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, R/2]
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    outs = []
+    for x, w in ((q, q_weight), (k, k_weight)):
+        x = x.float()
+        scale = w.float() + 1 if one_plus else w.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
+        r = 2 * inv_freq.numel()
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        half = torch.cat([-x_rot[..., r // 2:], x_rot[..., : r // 2]], -1)
+        outs.append(torch.cat([x_rot * cos + half * sin, x_pass], -1))
+    return outs[0], outs[1]
+
+
+def prefill_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    gate: torch.Tensor | None = None, scale: float | None = None,
+) -> torch.Tensor:
+    """fp32 causal softmax attention per sequence (GQA by repeating kv heads); `[T, H, Dh]`."""
+    H, Dh = q.shape[1], q.shape[2]
+    scale = scale if scale is not None else Dh**-0.5
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        qs = q[s:e].float().transpose(0, 1)  # [H, L, Dh]
+        ks = k[s:e].float().repeat_interleave(H // k.shape[1], 1).transpose(0, 1)
+        vs = v[s:e].float().repeat_interleave(H // k.shape[1], 1).transpose(0, 1)
+        att = (qs @ ks.transpose(1, 2)) * scale
+        future = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
+        att = att.masked_fill(future, -float("inf"))
+        out[s:e] = (att.softmax(-1) @ vs).transpose(0, 1)
+    return out * torch.sigmoid(gate.float()) if gate is not None else out
+
+
+def decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+    seq_lens: torch.Tensor, gate: torch.Tensor | None = None, scale: float | None = None,
+) -> torch.Tensor:
+    """fp32 reference of `decode_attention`: row b attends to `cache[slot_ids[b], :, :seq_lens[b]]`."""
+    B, H, Dh = q.shape
+    scale = scale if scale is not None else Dh**-0.5
+    out = torch.zeros((B, H, Dh), dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n, slot = int(seq_lens[b]), int(slot_ids[b])
+        if n == 0:
+            continue
+        ks = k_cache[slot, :, :n].float().repeat_interleave(H // k_cache.shape[1], 0)  # [H, n, Dh]
+        vs = v_cache[slot, :, :n].float().repeat_interleave(H // k_cache.shape[1], 0)
+        att = torch.einsum("hd,hnd->hn", q[b].float(), ks) * scale
+        out[b] = torch.einsum("hn,hnd->hd", att.softmax(-1), vs)
+    return out * torch.sigmoid(gate.float()) if gate is not None else out

@@ -1,0 +1,144 @@
+"""Attention kernels against their fp32 references (tiny shapes in the interpreter, real ones on the GPU)."""
+
+import pytest
+import torch
+from batchinfer.kernels.attention import (
+    decode_attention,
+    decode_attention_ref,
+    prefill_attention,
+    prefill_attention_ref,
+    qk_norm_rope,
+    qk_norm_rope_ref,
+    rope_inv_freq,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 on the GPU; fp16 in the interpreter, whose tl.dot mis-reads bf16 operands (Triton 3.9 numpy backend).
+DT = torch.bfloat16 if DEV == "cuda" else torch.float16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
+    return float((out - ref).norm() / ref.norm())
+
+
+def rnd(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).to(DT).to(DEV)
+
+
+@pytest.mark.parametrize("H,Hkv,Dh,rot,one_plus", [(4, 2, 64, 16, True), (4, 1, 32, 32, False)])
+def test_qk_norm_rope(H, Hkv, Dh, rot, one_plus):
+    T = 5
+    qg = rnd(T, H, 2 * Dh)  # q interleaved with its gate, as Qwen3.5's q_proj emits it
+    q = qg[..., :Dh]
+    k = rnd(T, Hkv, Dh)
+    qw, kw = rnd(Dh, scale=0.3), rnd(Dh, scale=0.3)
+    pos = torch.tensor([0, 1, 7, 300, 70000], device=DEV)
+    inv_freq = rope_inv_freq(rot, 1e7, DEV)
+    qo, ko = qk_norm_rope(q, k, qw, kw, pos, inv_freq, 1e-6, one_plus)
+    qr, kr = qk_norm_rope_ref(q, k, qw, kw, pos, inv_freq, 1e-6, one_plus)
+    assert rel_err(qo, qr) < 1e-2 and rel_err(ko, kr) < 1e-2
+    if rot < Dh:  # pass-through dims are only normalised
+        assert rel_err(qo[..., rot:], qr[..., rot:]) < 1e-2
+
+
+def test_rope_rotates_pairs_half_apart():
+    """NeoX rotate-half: position p rotates (x_i, x_{i+R/2}) by p * inv_freq_i; norms are preserved."""
+    Dh = 16
+    q = rnd(2, 1, Dh)
+    k = rnd(2, 1, Dh)
+    w = torch.zeros(Dh, device=DEV)
+    inv_freq = rope_inv_freq(Dh, 1e4, DEV)
+    qo, _ = qk_norm_rope(q, k, w, w, torch.tensor([0, 3], device=DEV), inv_freq, 1e-6, True)
+    qn = qk_norm_rope_ref(q, k, w, w, torch.tensor([0, 0], device=DEV), inv_freq, 1e-6, True)[0]
+    assert rel_err(qo[0], qn[0]) < 1e-2  # position 0 is the identity rotation
+    a, b = qn[1, 0, 0].item(), qn[1, 0, Dh // 2].item()
+    c, s = torch.cos(torch.tensor(3.0)).item(), torch.sin(torch.tensor(3.0)).item()
+    assert abs(qo[1, 0, 0].item() - (a * c - b * s)) < 2e-2
+    assert abs(qo[1, 0, Dh // 2].item() - (b * c + a * s)) < 2e-2
+
+
+@pytest.mark.parametrize("H,Hkv,Dh,gated", [(4, 2, 64, True), (4, 1, 32, False)])
+def test_prefill_attention(H, Hkv, Dh, gated):
+    lens = [1, 37, 16]
+    cu = torch.tensor([0, 1, 38, 54], dtype=torch.int32, device=DEV)
+    T = sum(lens)
+    qg = rnd(T, H, 2 * Dh)
+    q, gate = qg[..., :Dh], (qg[..., Dh:] if gated else None)
+    k, v = rnd(T, Hkv, Dh), rnd(T, Hkv, Dh)
+    out = prefill_attention(q, k, v, cu, max(lens), gate=gate)
+    ref = prefill_attention_ref(q, k, v, cu, gate=gate)
+    assert rel_err(out, ref) < 1e-2
+    # causality: changing the last token's k/v leaves every earlier output unchanged
+    k2, v2 = k.clone(), v.clone()
+    k2[37], v2[37] = rnd(Hkv, Dh), rnd(Hkv, Dh)
+    out2 = prefill_attention(q, k2, v2, cu, max(lens), gate=gate)
+    assert torch.equal(out2[:37], out[:37]) and not torch.equal(out2[37], out[37])
+
+
+def _cache(slots, Hkv, max_len, Dh):
+    return rnd(slots, Hkv, max_len, Dh), rnd(slots, Hkv, max_len, Dh)
+
+
+@pytest.mark.parametrize("H,Hkv,Dh,gated,max_seqlen", [(4, 2, 64, True, None), (8, 1, 32, False, 50)])
+def test_decode_attention(H, Hkv, Dh, gated, max_seqlen):
+    B, slots, max_len = 3, 5, 64
+    kc, vc = _cache(slots, Hkv, max_len, Dh)
+    slot_ids = torch.tensor([4, 0, 2], device=DEV)
+    seq_lens = torch.tensor([50, 1, 33], dtype=torch.int32, device=DEV)
+    qg = rnd(B, H, 2 * Dh)
+    q, gate = qg[..., :Dh], (qg[..., Dh:] if gated else None)
+    out = decode_attention(q, kc, vc, slot_ids, seq_lens, max_seqlen=max_seqlen, gate=gate)
+    ref = decode_attention_ref(q, kc, vc, slot_ids, seq_lens, gate=gate)
+    assert rel_err(out, ref) < 1e-2
+    # tokens past seq_len are never read
+    kc[4, :, 50:] = float("nan")
+    vc[0, :, 1:] = float("nan")
+    out = decode_attention(q, kc, vc, slot_ids, seq_lens, max_seqlen=max_seqlen, gate=gate)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_decode_attention_padded_rows_are_zero():
+    kc, vc = _cache(2, 1, 32, 32)
+    q = rnd(2, 2, 32)
+    out = decode_attention(q, kc, vc, torch.tensor([1, -1], device=DEV),
+                           torch.tensor([5, 0], dtype=torch.int32, device=DEV))
+    assert torch.equal(out[1].float().cpu(), torch.zeros(2, 32))
+    ref = decode_attention_ref(q, kc, vc, torch.tensor([1, 0]), torch.tensor([5, 0]))
+    assert rel_err(out[0], ref[0]) < 1e-2
+
+
+def test_decode_rejects_bad_cache():
+    kc, vc = _cache(2, 1, 32, 32)
+    with pytest.raises(ValueError, match="v_cache: expected shape"):
+        decode_attention(rnd(1, 2, 32), kc, vc[:, :, :16], torch.zeros(1, dtype=torch.long, device=DEV),
+                         torch.ones(1, dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "H,Hkv,Dh,gated,rot,one_plus", [(16, 2, 256, True, 64, True), (32, 4, 128, False, 128, False)]
+)
+def test_real_shapes_gpu(H, Hkv, Dh, gated, rot, one_plus):
+    lens = [1000, 3096, 17]
+    cu = torch.tensor([0, 1000, 4096, 4113], dtype=torch.int32, device=DEV)
+    T = cu[-1].item()
+    qg = rnd(T, H, 2 * Dh)
+    q, gate = qg[..., :Dh], (qg[..., Dh:] if gated else None)
+    k, v = rnd(T, Hkv, Dh), rnd(T, Hkv, Dh)
+    pos = torch.cat([torch.arange(n, device=DEV) for n in lens])
+    qw, kw = rnd(Dh, scale=0.3), rnd(Dh, scale=0.3)
+    inv_freq = rope_inv_freq(rot, 1e7, DEV)
+    qo, ko = qk_norm_rope(q, k, qw, kw, pos, inv_freq, 1e-6, one_plus)
+    qr, kr = qk_norm_rope_ref(q, k, qw, kw, pos, inv_freq, 1e-6, one_plus)
+    assert rel_err(qo, qr) < 1e-2 and rel_err(ko, kr) < 1e-2
+    out = prefill_attention(qo, ko, v, cu, max(lens), gate=gate)
+    assert rel_err(out, prefill_attention_ref(qo, ko, v, cu, gate=gate)) < 1e-2
+    B, max_len = 64, 4096
+    kc, vc = _cache(B + 3, Hkv, max_len, Dh)
+    slot_ids = torch.randperm(B + 3, device=DEV)[:B]
+    seq_lens = torch.randint(0, max_len + 1, (B,), dtype=torch.int32, device=DEV)
+    out = decode_attention(qo[:B], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:B])
+    ref = decode_attention_ref(qo[:B], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:B])
+    assert rel_err(out, ref) < 1e-2
