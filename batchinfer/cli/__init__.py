@@ -13,6 +13,11 @@ from batchinfer.errors import BatchinferError
 
 # command name -> "module:function"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
+    "run": "batchinfer.cli.run:run_command",
+    "status": "batchinfer.cli.status:status_command",
+    "query": "batchinfer.cli.query:query_command",
+    "export": "batchinfer.cli.export:export_command",
+    "retry-errors": "batchinfer.cli.retry_errors:retry_errors_command",
 }
 
 

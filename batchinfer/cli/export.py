@@ -1,0 +1,17 @@
+"""`batchinfer export DIR OUT.parquet`: one row per id, its latest attempt, in input order."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("export")
+@click.argument("job_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--partial", is_flag=True, help="Export an unfinished job's rows so far instead of refusing.")
+def export_command(job_dir: str, out: str, partial: bool) -> None:
+    """Write one file (.parquet or .csv) with one row per input id (its latest attempt), in input order."""
+    from batchinfer.jobs import query
+
+    rows = query.export(job_dir, out, partial=partial)
+    click.echo(f"wrote {rows} rows to {out}", err=True)

@@ -1,0 +1,28 @@
+"""`batchinfer query DIR "SQL"`: DuckDB over a job's results."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("query")
+@click.argument("job_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("sql")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the rows to FILE.parquet or FILE.csv.")
+@click.option("--max-rows", type=int, default=40, show_default=True, help="Rows to print (table output).")
+def query_command(job_dir: str, sql: str, out: str | None, max_rows: int) -> None:
+    """Run SQL over the views `results` (every committed row, every attempt), `latest` (one row per id,
+    its latest attempt) and `inputs` (the input files, when reachable). Safe while workers run.
+
+    Example: batchinfer query DIR "SELECT finish_reason, count(*) FROM latest GROUP BY 1"
+    """
+    from batchinfer.jobs import query
+
+    con = query.connect(job_dir)
+    if out:
+        rows = query.write_relation(con, sql, out, {})
+        click.echo(f"wrote {rows} rows to {out}", err=True)
+        return
+    rel = query.run_sql(con, sql)
+    if rel is not None:
+        click.echo(rel.show(max_rows=max_rows) or "", nl=False)

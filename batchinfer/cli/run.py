@@ -1,0 +1,180 @@
+"""`batchinfer run`: plan a job (first run) or resume it (every later run), then work through its shards."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from batchinfer.errors import InputError
+
+PLAN_KEYS = (
+    "input",
+    "model",
+    "shards",
+    "chunk_rows",
+    "seed",
+    "keep_columns",
+    "engine",
+    "engine_args",
+    "sampling",
+)
+
+
+def default_progress() -> str:
+    return "bar" if sys.stderr.isatty() else "none"
+
+
+def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
+    """Run `shard_ids` of `plan` in this process; returns the exit code (0 done, 75 stopped by signal)."""
+    from batchinfer.jobs import attempts, worker
+    from batchinfer.jobs.engines import LazyEngine
+    from batchinfer.jobs.progress import Progress
+
+    left = set(attempts.incomplete_shards(plan))
+    todo = [s for s in shard_ids if s in left]
+    if not todo:
+        click.echo(
+            f"nothing to do: all {len(shard_ids)} selected shard(s) of {plan.job_dir} are done", err=True
+        )
+        return 0
+    engine = LazyEngine(plan.doc["engine"]["factory"], plan.doc["model"]["path"], plan.doc["engine"]["args"])
+    stop = worker.StopFlag()
+    stop.install()
+    rows = sum(worker.pending_rows(plan, s) for s in todo)
+    progress = Progress(progress_mode, rows_total=rows, shards=len(todo))
+    status = "error"
+    try:
+        results = worker.run_shards(plan, todo, engine, stop=stop, progress=progress)
+        status = "stopped" if stop else "done"
+    finally:
+        progress.close(status)
+    locked = [r.shard for r in results if r.status == "locked"]
+    done_rows = sum(r.rows for r in results)
+    click.echo(
+        f"{done_rows} rows processed in {sum(r.chunks for r in results)} chunks "
+        f"({sum(r.errors for r in results)} errors, {sum(r.skipped for r in results)} skipped)",
+        err=True,
+    )
+    if locked:
+        click.echo(
+            f"{len(locked)} shard(s) are being worked on by other runners (first: {locked[0]:05d})", err=True
+        )
+    if stop:
+        click.echo(f"stopped on request; rerun to continue (exit {worker.EXIT_STOPPED})", err=True)
+        return worker.EXIT_STOPPED
+    remaining = [s for s in todo if s in set(attempts.incomplete_shards(plan))]
+    if not remaining:
+        click.echo(f"all selected shards of {plan.job_dir} are done", err=True)
+    return 0
+
+
+def _merge(spec_file: str | None, flags: dict[str, Any]) -> dict[str, Any]:
+    from batchinfer.jobs.spec import load_spec
+
+    merged = load_spec(spec_file) if spec_file else {}
+    sampling = dict(merged.get("sampling", {}))
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "stop", "ignore_eos"):
+        value = flags.pop(key)
+        if value not in (None, ()):
+            sampling[key] = list(value) if key == "stop" else value
+    if sampling:
+        merged["sampling"] = sampling
+    for key, value in flags.items():
+        if value not in (None, ()):
+            merged[key] = value
+    return merged
+
+
+@click.command("run")
+@click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
+@click.option(
+    "-i", "--input", "input", multiple=True, help="Input Parquet file, folder or glob (repeatable)."
+)
+@click.option("-o", "--output", help="Job directory: plan, results, markers, logs.")
+@click.option("-m", "--model", help="Checkpoint folder (with config.json).")
+@click.option("--max-tokens", type=int, help="Most tokens to generate per row [256].")
+@click.option("--temperature", type=float, help="Sampling temperature; 0 = greedy [0].")
+@click.option("--top-p", type=float, help="Nucleus sampling cut [1.0].")
+@click.option("--top-k", type=int, help="Top-k cut; 0 = none [0].")
+@click.option("--stop", multiple=True, help="Stop string (repeatable), besides the model's EOS.")
+@click.option("--ignore-eos/--no-ignore-eos", default=None, help="Always generate max_tokens (benchmarks).")
+@click.option("--seed", type=int, help="Job seed; each row's seed derives from (seed, id) [0].")
+@click.option("--shards", type=int, help="Number of shards (row ranges) [one per 100,000 rows].")
+@click.option("--shard", "shard_ids", type=int, multiple=True, help="Work only on this shard (repeatable).")
+@click.option("--chunk-rows", type=int, help="Rows per committed chunk file [1000].")
+@click.option("--keep-columns", help="Comma-separated input columns to copy to the output.")
+@click.option("--engine", help="Engine factory MODULE:FUNCTION [batchinfer.engine.loader:load_engine].")
+@click.option("--engine-arg", "engine_arg", multiple=True, help="KEY=VALUE passed to the engine factory.")
+@click.option("--progress", type=click.Choice(["bar", "json", "none"]), help="bar (tty default), json, none.")
+@click.option("--force-new-plan", is_flag=True, help="Set the existing plan and results aside; start over.")
+def run_command(
+    spec_file: str | None, shard_ids: tuple[int, ...], force_new_plan: bool, **flags: Any
+) -> None:
+    """Run a job: Parquet in, resumable sharded results out.
+
+    The first run validates the inputs and writes DIR/plan.json; rerunning the same command (or just
+    `batchinfer run --output DIR`) resumes after the last committed chunk. SPEC_FILE is an optional TOML
+    or JSON job spec with the same fields (flags override it). SIGUSR2/SIGTERM: finish and commit the
+    chunk in flight, then exit 75 so a scheduler can requeue.
+    """
+    from batchinfer.jobs import plan as plans
+    from batchinfer.jobs.commit import PLAN_FILE
+    from batchinfer.jobs.engines import parse_args
+
+    progress_mode = flags.pop("progress")
+    flags["engine_args"] = parse_args(flags.pop("engine_arg")) or None
+    keep = flags.pop("keep_columns")
+    flags["keep_columns"] = [c.strip() for c in keep.split(",") if c.strip()] if keep else None
+    args = _merge(spec_file, flags)
+    if not args.get("output"):
+        raise click.UsageError("--output DIR is required (or `output` in the job spec)")
+    job_dir = Path(args["output"]).resolve()
+    if force_new_plan:
+        plans.set_aside(job_dir)
+    if (job_dir / PLAN_FILE).exists():
+        plan = plans.Plan.load(job_dir)
+        if any(k in args for k in PLAN_KEYS):
+            plan = plans.open_or_create(_build(job_dir, args, plan.doc, check_ids=False))
+        plans.verify_inputs(plan)
+    else:
+        missing = [k for k in ("input", "model") if not args.get(k)]
+        if missing:
+            raise InputError(
+                f"{job_dir}: no plan.json yet, so a new job needs " + " and ".join(f"--{m}" for m in missing)
+            )
+        plan = plans.open_or_create(_build(job_dir, args, None, check_ids=True))
+    for s in shard_ids:
+        plan.shard_range(s)
+    code = execute(plan, list(shard_ids) or list(range(plan.num_shards)), progress_mode or default_progress())
+    sys.exit(code)
+
+
+def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, check_ids: bool) -> Any:
+    """The plan `args` describe; unspecified fields come from the existing plan `old` (or defaults)."""
+    from batchinfer.engine.api import SamplingParams
+    from batchinfer.jobs import plan as plans
+
+    def pick(key: str, default: Any) -> Any:
+        return args[key] if key in args else (default if old is None else old[key])
+
+    base_sampling = _sampling_dict(SamplingParams()) if old is None else old["sampling"]
+    return plans.build_plan(
+        job_dir,
+        args.get("input") or [f["path"] for f in old["inputs"]],
+        args.get("model") or old["model"]["path"],
+        {**base_sampling, **args.get("sampling", {})},
+        seed=pick("seed", 0),
+        num_shards=args.get("shards") or (len(old["shards"]) if old else None),
+        chunk_rows=pick("chunk_rows", plans.DEFAULT_CHUNK_ROWS),
+        keep_columns=pick("keep_columns", []),
+        engine=args.get("engine") or (old["engine"]["factory"] if old else plans.DEFAULT_ENGINE),
+        engine_args=args["engine_args"] if "engine_args" in args else (old["engine"]["args"] if old else {}),
+        check_ids=check_ids,
+    )
+
+
+def _sampling_dict(p: Any) -> dict[str, Any]:
+    return {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "stop", "ignore_eos")}

@@ -1,0 +1,114 @@
+"""DuckDB over a job directory: views `results` (every committed row of every attempt), `latest` (one
+row per id, its highest attempt) and `inputs` (the input files, when they are reachable).
+
+Safe while workers run: only complete, renamed Parquet files match the glob, and committed files are
+never rewritten or deleted, so a query sees some prefix of the work, never a torn file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+from batchinfer.jobs import commit, inputs
+from batchinfer.jobs import requests as rq
+from batchinfer.jobs.plan import Plan
+
+from batchinfer.errors import BatchinferError, InputError
+
+LATEST_SQL = "SELECT * FROM results QUALIFY row_number() OVER (PARTITION BY id ORDER BY attempt DESC) = 1"
+
+
+def _sql_str(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _empty_results(plan: Plan) -> pa.Table:
+    """A zero-row table with the output schema, so the views work before the first commit."""
+    try:
+        keep = [pa.field(c, inputs.column_type(plan.inputs, c)) for c in plan.keep_columns]
+    except BatchinferError:
+        keep = [pa.field(c, pa.null()) for c in plan.keep_columns]
+    return rq.output_schema(plan.id_arrow_type, keep).empty_table()
+
+
+def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the job's views defined."""
+    plan = Plan.load(job_dir)
+    con = duckdb.connect()
+    glob = str(plan.job_dir / commit.RESULTS_GLOB)
+    if any((plan.job_dir / commit.SHARDS_DIR).glob("*/*.parquet")):
+        con.execute(f"CREATE VIEW results AS SELECT * FROM read_parquet({_sql_str(glob)})")
+    else:
+        con.register("_no_results", _empty_results(plan))
+        con.execute("CREATE VIEW results AS SELECT * FROM _no_results")
+    con.execute(f"CREATE VIEW latest AS {LATEST_SQL}")
+    files = [f.path for f in plan.inputs]
+    if all(os.path.exists(p) for p in files):
+        listing = ", ".join(_sql_str(p) for p in files)
+        con.execute(f"CREATE VIEW inputs AS SELECT * FROM read_parquet([{listing}], union_by_name = true)")
+    return con
+
+
+def run_sql(con: duckdb.DuckDBPyConnection, sql: str) -> duckdb.DuckDBPyRelation | None:
+    try:
+        return con.sql(sql)
+    except duckdb.Error as e:
+        raise InputError(f"query failed: {e}") from None
+
+
+def write_relation(
+    con: duckdb.DuckDBPyConnection, query: str, out: str | Path, metadata: dict[str, str]
+) -> int:
+    """Write a query's rows to `.parquet` or `.csv` atomically (tmp + rename); returns the row count."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix not in (".parquet", ".csv"):
+        raise InputError(f"{out}: expected a .parquet or .csv file name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if suffix == ".parquet":
+        kv = ", ".join(f"{_sql_str(k)}: {_sql_str(v)}" for k, v in metadata.items())
+        options = f"FORMAT parquet, COMPRESSION zstd, KV_METADATA {{{kv}}}" if kv else "FORMAT parquet"
+    else:
+        options = "FORMAT csv, HEADER true"
+    try:
+        con.execute(f"COPY ({query}) TO {_sql_str(str(tmp))} ({options})")
+        rows = con.execute(f"SELECT count(*) FROM ({query})").fetchone()[0]
+    except duckdb.Error as e:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"query failed: {e}") from None
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return rows
+
+
+def export(job_dir: str | Path, out: str | Path, partial: bool = False) -> int:
+    """One row per id (its latest attempt), in input order. Refuses an unfinished job unless `partial`."""
+    plan = Plan.load(job_dir)
+    con = connect(plan.job_dir)
+    done = con.execute("SELECT count(*) FROM latest").fetchone()[0]
+    total = plan.doc["total_rows"]
+    if done < total and not partial:
+        raise InputError(
+            f"{plan.job_dir}: only {done} of {total} rows are done; finish the job (`batchinfer run --output "
+            f"{plan.job_dir}`) or pass --partial to export what is there"
+        )
+    meta = {"batchinfer.plan_id": plan.plan_id, "batchinfer.model": plan.doc["model"]["path"]}
+    return write_relation(con, "SELECT * FROM latest ORDER BY row", out, meta)
+
+
+def rows_to_retry(job_dir: str | Path, reasons: list[str]) -> dict[int, list[int]]:
+    """Global row indices, per shard, whose latest result has one of `reasons` as finish_reason."""
+    con = connect(job_dir)
+    listing = ", ".join(_sql_str(r) for r in reasons)
+    rows = con.sql(
+        f"SELECT shard, row FROM latest WHERE finish_reason IN ({listing}) ORDER BY row"
+    ).fetchall()
+    out: dict[int, list[int]] = {}
+    for shard, row in rows:
+        out.setdefault(int(shard), []).append(int(row))
+    return out

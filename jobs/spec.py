@@ -1,0 +1,86 @@
+"""Job spec files: the arguments of `batchinfer run` kept in a TOML (or JSON) file under version control.
+
+Keys mirror the command-line flags (underscores for dashes); sampling parameters sit in a `[sampling]`
+table, engine arguments in `[engine_args]`. Relative paths resolve against the spec file's folder.
+Flags given on the command line override the file. Documented examples: `jobs/examples/*.toml`.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from batchinfer.errors import ConfigError
+
+SAMPLING_KEYS = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "stop": list,
+    "ignore_eos": bool,
+}
+TOP_KEYS = {
+    "input": (str, list),
+    "output": str,
+    "model": str,
+    "shards": int,
+    "chunk_rows": int,
+    "seed": int,
+    "keep_columns": list,
+    "engine": str,
+    "engine_args": dict,
+    "progress": str,
+    "sampling": dict,
+}
+PATH_KEYS = ("output", "model")
+
+
+def load_spec(path: str | Path) -> dict[str, Any]:
+    """Parse and check a spec file; returns a flat dict of run arguments."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read job spec ({e.strerror})") from None
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'} ({e})") from None
+    for key, value in raw.items():
+        if key not in TOP_KEYS:
+            raise ConfigError(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(TOP_KEYS))}")
+        _check_type(path, key, value, TOP_KEYS[key])
+    for key, value in raw.get("sampling", {}).items():
+        if key not in SAMPLING_KEYS:
+            raise ConfigError(
+                f"{path}: unknown key sampling.{key}; known: {', '.join(sorted(SAMPLING_KEYS))}"
+            )
+        _check_type(path, f"sampling.{key}", value, SAMPLING_KEYS[key])
+    base = path.resolve().parent
+    spec = dict(raw)
+    for key in PATH_KEYS:
+        if key in spec:
+            spec[key] = str(_resolve(base, spec[key]))
+    if "input" in spec:
+        items = [spec["input"]] if isinstance(spec["input"], str) else spec["input"]
+        spec["input"] = [str(_resolve(base, i)) for i in items]
+    spec["engine_args"] = {str(k): str(v) for k, v in spec.get("engine_args", {}).items()}
+    return spec
+
+
+def _resolve(base: Path, value: str) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def _check_type(path: Path, key: str, value: Any, expected: type | tuple[type, ...]) -> None:
+    types = expected if isinstance(expected, tuple) else (expected,)
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        names = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"{path}: key {key!r}: expected {names}, found {type(value).__name__} {value!r}")
