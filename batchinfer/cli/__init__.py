@@ -18,6 +18,8 @@ COMMANDS: dict[str, str] = {
     "query": "batchinfer.cli.query:query_command",
     "export": "batchinfer.cli.export:export_command",
     "retry-errors": "batchinfer.cli.retry_errors:retry_errors_command",
+    "make-checkpoint": "batchinfer.cli.make_checkpoint:make_checkpoint_command",
+    "quantize": "batchinfer.cli.quantize:quantize_command",
 }
 
 
