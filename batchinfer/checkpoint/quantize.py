@@ -22,6 +22,7 @@ from batchinfer.checkpoint.quant_config import (
     COMPRESSED_TENSORS,
     FP8,
     HF_QUANT_CONFIG,
+    MODELOPT,
     NVFP4,
     read_quant_config,
 )
@@ -83,8 +84,10 @@ def quantize_checkpoint(
     scheme: str,
     device: str = "cpu",
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    method: str = MODELOPT,
 ) -> Path:
-    """Quantize the unquantized HF checkpoint `src` into ModelOpt's layout in `dst` (see module doc)."""
+    """Quantize the unquantized HF checkpoint `src` into `dst` (see the module doc for the schemes), in
+    ModelOpt's layout or, with `method="compressed-tensors"`, as `nvfp4-pack-quantized` (NVFP4 only)."""
     src, dst = Path(src), Path(dst)
     if scheme not in SCHEMES:
         raise CheckpointError(f"unknown scheme {scheme!r}; available: {', '.join(SCHEMES)}")
@@ -106,7 +109,7 @@ def quantize_checkpoint(
         counts["NVFP4"],
         counts["FP8"],
     )
-    save_checkpoint(dst, raw, weights, max_shard_bytes=max_shard_bytes)
+    save_checkpoint(dst, raw, weights, max_shard_bytes=max_shard_bytes, method=method)
     _copy_side_files(src, dst)
     return dst
 
