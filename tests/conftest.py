@@ -17,3 +17,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """`tiny_checkpoint(preset, quant="bf16", seed=0)` -> folder of a `make-checkpoint` preset, written once
+    per session. Shared between tests: read it, never modify it (copy it first)."""
+    from batchinfer.checkpoint.presets import write_preset
+
+    cache = {}
+
+    def make(preset: str, quant: str = "bf16", seed: int = 0):
+        key = (preset, quant, seed)
+        if key not in cache:
+            cache[key] = write_preset(preset, tmp_path_factory.mktemp(f"{preset}-{quant}-{seed}"), quant=quant, seed=seed)
+        return cache[key]
+
+    return make
