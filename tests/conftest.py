@@ -30,7 +30,8 @@ def tiny_checkpoint(tmp_path_factory):
     def make(preset: str, quant: str = "bf16", seed: int = 0):
         key = (preset, quant, seed)
         if key not in cache:
-            cache[key] = write_preset(preset, tmp_path_factory.mktemp(f"{preset}-{quant}-{seed}"), quant=quant, seed=seed)
+            out = tmp_path_factory.mktemp(f"{preset}-{quant}-{seed}")
+            cache[key] = write_preset(preset, out, quant=quant, seed=seed)
         return cache[key]
 
     return make
