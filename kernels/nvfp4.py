@@ -185,6 +185,15 @@ def dequantize_nvfp4(
     return out.flatten(-2).to(dtype)
 
 
+def _divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """`x / divisor`, correctly rounded on every device.
+
+    CUDA divides a tensor by a Python number by multiplying with its fp32 reciprocal, which can
+    land one ulp away from CPU's true division; a tensor divisor gets true division everywhere.
+    """
+    return x / torch.tensor(divisor, dtype=torch.float32, device=x.device)
+
+
 def _check_finite(w: torch.Tensor, name: str) -> None:
     bad = ~torch.isfinite(w)
     if bool(bad.any()):
@@ -216,7 +225,7 @@ def quantize_nvfp4(w: torch.Tensor, *, tensor_amax: float | torch.Tensor | None 
         if float(given) == 0 and float(amax) > 0:
             raise ValueError(f"tensor_amax: 0 cannot scale a weight whose max |w| is {float(amax)}")
         amax = given
-    tensor_scale = amax / (E2M1_MAX * E4M3_MAX)
+    tensor_scale = _divide(amax, E2M1_MAX * E4M3_MAX)
     if float(tensor_scale) == 0:
         tensor_scale = torch.ones((), dtype=torch.float32, device=w.device)
     blocks = w.unflatten(-1, (k // NVFP4_BLOCK, NVFP4_BLOCK))  # [N, K // 16, 16]
@@ -232,14 +241,14 @@ def quantize_fp8(w: torch.Tensor) -> FP8Weight:
     """Quantize a `[N, K]` float weight to per-tensor E4M3 as ModelOpt does: `scale = amax / 448`.
 
     An all-zero weight keeps scale 0 (ModelOpt divides by 1 instead), so it dequantizes to zeros.
-    Values are clamped to +-448 before the cast, which otherwise saturates on CPU but may give NaN
-    on other backends.
+    Values are clamped to +-448 before the cast, which saturates on CPU but gives NaN on CUDA.
     """
     if w.ndim != 2 or not w.is_floating_point():
         raise ValueError(f"w: expected a floating-point [N, K] tensor, got {w.dtype} {list(w.shape)}")
     w = w.float()
     _check_finite(w, "w")
-    scale = w.abs().amax() / E4M3_MAX if w.numel() else torch.zeros((), dtype=torch.float32, device=w.device)
+    amax = w.abs().amax() if w.numel() else torch.zeros((), dtype=torch.float32, device=w.device)
+    scale = _divide(amax, E4M3_MAX)
     divisor = scale if float(scale) > 0 else torch.ones_like(scale)
     data = (w / divisor).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return FP8Weight(data, scale)

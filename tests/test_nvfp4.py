@@ -302,3 +302,24 @@ def test_compressed_tensors_global_scale_inversion():
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="weight_global_scale"):
             tensor_scale_from_ct_global(torch.tensor([bad]))
+
+
+@pytest.mark.gpu
+def test_cuda_quantization_is_bit_identical_to_cpu():
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(256, 512, generator=g) * torch.logspace(-4, 2, 256).unsqueeze(1)).to(torch.bfloat16)
+    w[0, :16] = 0.0
+    for amax in (None, 0.5):  # 0.5 is below max |w|: block scales clamp to 448 and codes saturate
+        cpu, gpu = quantize_nvfp4(w, tensor_amax=amax), quantize_nvfp4(w.cuda(), tensor_amax=amax)
+        assert gpu.packed.is_cuda and gpu.tensor_scale.is_cuda
+        assert torch.equal(gpu.packed.cpu(), cpu.packed)
+        assert torch.equal(gpu.block_scale.cpu().view(torch.uint8), cpu.block_scale.view(torch.uint8))
+        assert gpu.tensor_scale.item() == cpu.tensor_scale.item()
+        assert torch.equal(gpu.dequantize(torch.bfloat16).cpu(), cpu.dequantize(torch.bfloat16))
+    f_cpu, f_gpu = quantize_fp8(w.float()), quantize_fp8(w.float().cuda())
+    assert torch.equal(f_gpu.data.cpu().view(torch.uint8), f_cpu.data.view(torch.uint8))
+    assert f_gpu.scale.item() == f_cpu.scale.item()
+    assert not torch.isnan(f_gpu.dequantize()).any()
+    scales = torch.rand(1000, generator=g) * 10 + 1e-3
+    for fn in (tensor_scale_from_ct_global, ct_global_from_tensor_scale):
+        assert all(fn(s.cuda()).item() == fn(s).item() for s in scales)
