@@ -1,0 +1,245 @@
+"""The Slurm array script and `batchinfer slurm`, against fake sbatch/squeue/scontrol (no cluster needed).
+
+tests/test_slurm_cluster.py runs the same script on a real single-node Slurm.
+"""
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from batchinfer.jobs import commit, slurm
+from batchinfer.jobs.plan import Plan, build_plan, open_or_create
+from click.testing import CliRunner
+
+from batchinfer.cli import cli
+from batchinfer.errors import InputError
+
+TINY_CONFIG = dict(
+    model_type="qwen3_moe", vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+    tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    norm_topk_prob=True,
+)  # fmt: skip
+
+
+def make_job(root: Path, rows: int, shards: int, chunk_rows: int = 1000, engine_args=None) -> Plan:
+    """A planned job over one input file, run by the model-free echo engine."""
+    model = root / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    table = pa.table({"id": list(range(rows)), "prompt": [f"row {i} says hello" for i in range(rows)]})
+    pq.write_table(table, root / "input.parquet")
+    plan = build_plan(root / "job", [str(root / "input.parquet")], model, sampling={"max_tokens": 8},
+                      num_shards=shards, chunk_rows=chunk_rows, engine="batchinfer.jobs.echo:EchoEngine",
+                      engine_args=engine_args)  # fmt: skip
+    return open_or_create(plan)
+
+
+def mark_done(plan: Plan, shard: int) -> None:
+    commit.write_json_atomic(commit.marker_path(plan.job_dir, shard, 1), {"shard": shard})
+
+
+FAKE = """#!/usr/bin/env bash
+{{ printf '%q ' "$(basename "$0")" "$@"; echo; }} >> {log}
+{body}
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """sbatch/squeue/scontrol stand-ins on PATH; returns (call log, bin dir)."""
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    log.touch()
+    bodies = {
+        "sbatch": 'n=$(grep -c ^sbatch {log}); echo "$((99 + n))"',
+        "squeue": "cat {bin}/squeue.out 2>/dev/null; cat {bin}/squeue.err >&2 2>/dev/null\n"
+        'exit "$(cat {bin}/squeue.rc 2>/dev/null || echo 0)"',
+        "scontrol": 'echo "MaxArraySize            = $(cat {bin}/max_array 2>/dev/null || echo 1001)"',
+    }
+    for name, body in bodies.items():
+        path = bin_dir / name
+        path.write_text(FAKE.format(log=log, body=body.format(log=log, bin=bin_dir)))
+        path.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    return log, bin_dir
+
+
+def calls(log: Path, prog: str) -> list[list[str]]:
+    return [shlex.split(line)[1:] for line in log.read_text().splitlines() if line.startswith(prog + " ")]
+
+
+def test_compress_writes_slurm_ranges():
+    assert slurm.compress([5, 0, 1, 2, 7, 8, 8]) == "0-2,5,7-8"
+    assert slurm.compress([3]) == "3"
+    assert slurm.compress(list(range(1000))) == "0-999"
+
+
+def test_array_groups_stay_below_max_array_size():
+    groups = slurm.array_groups(list(range(25)), max_array_size=10)
+    assert [(g.offset, g.spec()) for g in groups] == [(0, "0-9"), (10, "0-9"), (20, "0-4")]
+    # a retry of scattered shards: indices are shard % size, the offset adds the base back
+    groups = slurm.array_groups([3, 17, 12, 29, 4], max_array_size=10)
+    assert [(g.offset, g.spec(max_running=2)) for g in groups] == [(0, "3-4%2"), (10, "2,7%2"), (20, "9%2")]
+    for g in groups:
+        assert all(0 <= s - g.offset < 10 for s in g.shards)
+    assert sorted(s for g in groups for s in g.shards) == [3, 4, 12, 17, 29]
+
+
+def test_max_array_size_read_from_scontrol_or_defaulted(fake_slurm, monkeypatch):
+    _, bin_dir = fake_slurm
+    (bin_dir / "max_array").write_text("40001")
+    assert slurm.max_array_size() == 40001
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert slurm.max_array_size() == slurm.DEFAULT_MAX_ARRAY_SIZE
+
+
+def test_options_render_into_sbatch_header():
+    opts = slurm.SlurmOptions(partition="gpu", time="4:00:00", account="proj", gpus_per_task=2, mem="64G",
+                              sbatch_args=["--constraint=h200"])  # fmt: skip
+    assert opts.sbatch_lines() == [
+        "--partition=gpu", "--time=4:00:00", "--account=proj", "--mem=64G", "--gres=gpu:2",
+        "--constraint=h200",
+    ]  # fmt: skip
+    assert slurm.SlurmOptions(gpus_per_task=0).sbatch_lines() == []
+    with pytest.raises(InputError, match="--sbatch-arg 'constraint=h200'"):
+        slurm.SlurmOptions(sbatch_args=["constraint=h200"])
+    with pytest.raises(InputError, match="--max-running must be >= 1, got 0"):
+        slurm.SlurmOptions(max_running=0)
+
+
+def _header(script: Path) -> list[str]:
+    return [
+        line[len("#SBATCH ") :] for line in script.read_text().splitlines() if line.startswith("#SBATCH ")
+    ]
+
+
+def test_cli_writes_a_valid_script_and_prints_commands(tmp_path, fake_slurm):
+    plan = make_job(tmp_path, rows=12, shards=4)
+    result = CliRunner().invoke(
+        cli, ["slurm", str(plan.job_dir), "--partition", "gpu", "--time", "1:00:00",
+              "--signal-seconds", "120", "--max-running", "2", "--setup", "module load cuda"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    script = plan.job_dir / "slurm" / "batchinfer.sbatch"
+    assert f"wrote {script} for 4 of 4 shards (0-3)" in result.output
+    assert f"sbatch --parsable --array=0-3%2 --export=ALL,BATCHINFER_SHARD_OFFSET=0 {script}" in result.output
+    header = _header(script)
+    for line in (
+        "--requeue",
+        "--signal=B:USR2@120",
+        "--array=0-3%2",
+        "--partition=gpu",
+        "--time=1:00:00",
+        "--gres=gpu:1",
+        f"--output={plan.job_dir}/slurm/logs/%A_%a.out",
+        "--open-mode=append",
+    ):
+        assert line in header  # fmt: skip
+    text = script.read_text()
+    assert "module load cuda" in text
+    assert f'run --output {plan.job_dir} --shard "$shard" &' in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert (plan.job_dir / "slurm" / "logs").is_dir()
+    assert calls(fake_slurm[0], "sbatch") == []  # nothing submitted without --submit
+
+
+def test_cli_submit_uses_offsets_beyond_max_array_size(tmp_path, fake_slurm):
+    log, bin_dir = fake_slurm
+    (bin_dir / "max_array").write_text("4")
+    plan = make_job(tmp_path, rows=20, shards=10)
+    mark_done(plan, 5)
+    result = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit", "--gpus-per-task", "0"])
+    assert result.exit_code == 0, result.output
+    script = str(plan.job_dir / "slurm" / "batchinfer.sbatch")
+    assert calls(log, "sbatch") == [
+        ["--parsable", "--array=0-3", "--export=ALL,BATCHINFER_SHARD_OFFSET=0", script],
+        ["--parsable", "--array=0,2-3", "--export=ALL,BATCHINFER_SHARD_OFFSET=4", script],
+        ["--parsable", "--array=0-1", "--export=ALL,BATCHINFER_SHARD_OFFSET=8", script],
+    ]
+    assert not any(line.startswith("--array") for line in _header(Path(script)))  # set per sbatch call
+    recorded = slurm.submissions(plan.job_dir)
+    assert [(r["job_id"], r["offset"], r["shards"]) for r in recorded] == [
+        ("100", 0, "0-3"), ("101", 4, "4,6-7"), ("102", 8, "8-9")
+    ]  # fmt: skip
+    assert "submitted array job 101: shards 4,6-7" in result.output
+
+
+def test_throttled_groups_run_one_after_another(tmp_path, fake_slurm):
+    log, bin_dir = fake_slurm
+    (bin_dir / "max_array").write_text("2")
+    plan = make_job(tmp_path, rows=6, shards=3)
+    result = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit", "--max-running", "1"])
+    assert result.exit_code == 0, result.output
+    argvs = calls(log, "sbatch")
+    assert "--dependency=afterany:100" in argvs[1]
+    assert not any(a.startswith("--dependency") for a in argvs[0])
+
+
+def test_retry_skips_done_and_queued_shards_and_reuses_options(tmp_path, fake_slurm):
+    log, bin_dir = fake_slurm
+    plan = make_job(tmp_path, rows=16, shards=8)
+    first = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit", "--partition", "h200"])
+    assert first.exit_code == 0, first.output
+    for s in (0, 1, 2):
+        mark_done(plan, s)
+    # squeue still lists shard 3 running and 6 pending; 4, 5 and 7 died
+    (bin_dir / "squeue.out").write_text("100 3 RUNNING\n100 6 PENDING\n")
+    again = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit"])
+    assert isinstance(again.exception, InputError)
+    assert "2 shards of earlier submissions are still queued or running (e.g. shard 3: RUNNING)" in str(
+        again.exception
+    )
+    retry = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--retry", "--time", "2:00:00"])
+    assert retry.exit_code == 0, retry.output
+    assert calls(log, "sbatch")[-1][:2] == ["--parsable", "--array=4-5,7"]
+    assert calls(log, "squeue")[-1] == ["--noheader", "--array", "--jobs=100", "--format=%F %K %T"]
+    header = _header(plan.job_dir / "slurm" / "batchinfer.sbatch")
+    assert "--partition=h200" in header and "--time=2:00:00" in header  # saved option kept, new one added
+
+
+def test_nothing_to_do_exits_zero(tmp_path, fake_slurm):
+    log, bin_dir = fake_slurm
+    plan = make_job(tmp_path, rows=4, shards=2)
+    (bin_dir / "squeue.out").write_text("100 0 RUNNING\n100 1 PENDING\n")
+    CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit"])
+    queued = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--retry"])
+    assert queued.exit_code == 0
+    assert "all 2 unfinished shards are queued or running in Slurm; nothing to resubmit" in queued.output
+    mark_done(plan, 0)
+    mark_done(plan, 1)
+    done = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--retry"])
+    assert done.exit_code == 0
+    assert "all 2 shards of" in done.output and "are done; nothing to submit" in done.output
+    assert len(calls(log, "sbatch")) == 1
+
+
+def test_squeue_forgetting_every_job_means_nothing_active(tmp_path, fake_slurm):
+    _, bin_dir = fake_slurm
+    plan = make_job(tmp_path, rows=4, shards=2)
+    CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit"])
+    (bin_dir / "squeue.err").write_text("slurm_load_jobs error: Invalid job id specified\n")
+    (bin_dir / "squeue.rc").write_text("1")
+    assert slurm.active_shards(plan.job_dir) == {}
+
+
+def test_sbatch_failure_is_a_clear_error(tmp_path, fake_slurm):
+    _, bin_dir = fake_slurm
+    (bin_dir / "sbatch").write_text(
+        "#!/bin/sh\necho 'sbatch: error: invalid partition specified: nope' >&2\nexit 1\n"
+    )
+    plan = make_job(tmp_path, rows=4, shards=2)
+    result = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit", "--partition", "nope"])
+    assert isinstance(result.exception, slurm.SlurmError)
+    assert "failed (1): sbatch: error: invalid partition specified: nope" in str(result.exception)
+
+
+def test_slurm_without_plan_says_how_to_start(tmp_path):
+    result = CliRunner().invoke(cli, ["slurm", str(tmp_path / "nojob")])
+    assert isinstance(result.exception, InputError)
+    assert "no plan here" in str(result.exception)

@@ -1,0 +1,122 @@
+"""`batchinfer slurm --submit` on a real single-node Slurm (installed and started by the fixture).
+
+The cluster comes from tests/slurm/start_cluster.sh (Debian's slurm-wlm + munge, private slurm.conf,
+MaxArraySize=4 so a 6-shard job needs two array submissions with offsets) and is stopped after the
+module. The jobs run the model-free echo engine through the real `batchinfer run`.
+"""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from batchinfer.jobs import attempts, commit, slurm
+from click.testing import CliRunner
+from test_slurm import make_job
+
+from batchinfer.cli import cli
+
+pytestmark = pytest.mark.slurm
+
+SCRIPTS = Path(__file__).parent / "slurm"
+MAX_ARRAY_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("slurm-cluster")
+    started = subprocess.run([SCRIPTS / "start_cluster.sh", state, str(MAX_ARRAY_SIZE)], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+    if started.returncode == 77:
+        pytest.skip(f"Slurm cannot be installed here: {started.stdout.strip().splitlines()[-1]}")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(state / "slurm.conf")
+    try:
+        assert started.returncode == 0, f"start_cluster.sh failed:\n{started.stdout}"
+        yield state
+    finally:
+        subprocess.run([SCRIPTS / "stop_cluster.sh", state], timeout=120)
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+def _squeue(job_ids: list[str]) -> list[str]:
+    argv = ["squeue", "--noheader", "--array", f"--jobs={','.join(job_ids)}", "--format=%i %T %r"]
+    out = subprocess.run(argv, capture_output=True, text=True)
+    return out.stdout.split("\n")[:-1] if out.returncode == 0 else []
+
+
+def _wait_until_gone(job_ids: list[str], timeout: float, on_poll=None) -> None:
+    deadline = time.monotonic() + timeout
+    while (listed := _squeue(job_ids)) and time.monotonic() < deadline:
+        if on_poll:
+            on_poll(listed)
+        time.sleep(0.5)
+    assert not listed, f"jobs still queued after {timeout} s: {listed}"
+
+
+def _output_ids(job_dir: Path) -> list[int]:
+    ids: list[int] = []
+    for path in sorted((job_dir / commit.SHARDS_DIR).glob("*/*.parquet")):
+        ids += pq.read_table(path, columns=["id"]).column("id").to_pylist()
+    return ids
+
+
+def _slurm_logs(job_dir: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted((job_dir / "slurm" / "logs").glob("*.out")))
+
+
+def test_array_job_with_offsets_processes_every_row_once(tmp_path, cluster):
+    plan = make_job(tmp_path, rows=30, shards=6, chunk_rows=2)
+    result = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit", "--gpus-per-task", "0",
+                                      "--time", "10:00"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    job_ids = [s["job_id"] for s in slurm.submissions(plan.job_dir)]
+    assert [s["offset"] for s in slurm.submissions(plan.job_dir)] == [0, 4]  # MaxArraySize=4
+    _wait_until_gone(job_ids, timeout=180)
+    logs = _slurm_logs(plan.job_dir)
+    assert attempts.incomplete_shards(plan) == [], logs
+    assert sorted(_output_ids(plan.job_dir)) == list(range(30)), logs
+    for shard in range(6):
+        assert f"batchinfer: shard {shard}, array task" in logs
+    retry = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--retry"])
+    assert "are done; nothing to submit" in retry.output
+
+
+def test_usr2_before_time_limit_requeues_and_finishes_exactly_once(tmp_path, cluster):
+    # 40 rows in 20 chunks at 0.3 s per row: about 12 s of work, stopped after the first chunks.
+    plan = make_job(tmp_path, rows=40, shards=1, chunk_rows=2, engine_args={"delay": "0.3"})
+    result = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--submit", "--gpus-per-task", "0"])
+    assert result.exit_code == 0, result.output
+    (job_id,) = [s["job_id"] for s in slurm.submissions(plan.job_dir)]
+    task = f"{job_id}_0"
+    chunks = plan.job_dir / commit.SHARDS_DIR / "00000"
+    deadline = time.monotonic() + 120
+    while len(list(chunks.glob("*.parquet"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(list(chunks.glob("*.parquet"))) >= 2, _slurm_logs(plan.job_dir)
+    # what Slurm does at --signal=B:USR2@N: signal the batch shell only
+    subprocess.run(["scancel", "--signal=USR2", "--batch", task], check=True)
+    requeued = []
+
+    def release(listed: list[str]) -> None:
+        # a requeued job waits ~2 minutes (BeginTime) before it may start again; let it start now
+        if any("BeginTime" in line for line in listed):
+            requeued.append(listed)
+            subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], check=True)
+
+    _wait_until_gone([job_id], timeout=240, on_poll=release)
+    logs = _slurm_logs(plan.job_dir)
+    assert requeued, logs
+    assert "USR2 received; shard 0 stops after the chunk in flight" in logs
+    assert "requeueing shard 0" in logs
+    assert "restart 1" in logs  # the same array task ran again
+    assert "worker exited with 75" in logs  # stopped at a chunk boundary
+    assert "worker exited with 0" in logs
+    assert attempts.incomplete_shards(plan) == [], logs
+    ids = _output_ids(plan.job_dir)
+    assert sorted(ids) == list(range(40)), logs  # every row exactly once
