@@ -7,8 +7,10 @@ NVFP4 layout, as in NVIDIA ModelOpt exports and compressed-tensors `nvfp4-pack-q
 - tensor scale: fp32 scalar, ModelOpt's `weight_scale_2` (= amax / (6 * 448)); compressed-tensors
   stores the reciprocal as `weight_global_scale`.
 Dequantization: `W[n, k] = E2M1[code[n, k]] * (float(block_scale[n, k // 16]) * tensor_scale)`.
-Quantization reproduces ModelOpt's producer math bit for bit (`NVFP4QTensor` in
-modelopt/torch/quantization/qtensor/nvfp4_tensor.py). Not here: GEMMs, checkpoint I/O.
+Quantization reproduces ModelOpt's producer math (`NVFP4QTensor` in
+modelopt/torch/quantization/qtensor/nvfp4_tensor.py) bit for bit as ModelOpt computes it on CPU,
+and gives identical bits on CPU and CUDA (ModelOpt on CUDA may put `weight_scale_2` one ulp away;
+see `_divide`). Not here: GEMMs, checkpoint I/O.
 """
 
 from __future__ import annotations
