@@ -1,0 +1,160 @@
+"""Gated DeltaNet kernels against their fp32 references (tiny shapes in the interpreter, real ones on GPU)."""
+
+import pytest
+import torch
+from batchinfer.kernels.gdn import (
+    causal_conv1d,
+    causal_conv1d_ref,
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+    gated_delta_rule,
+    gated_delta_rule_ref,
+    gated_rmsnorm,
+    gated_rmsnorm_ref,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = torch.bfloat16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
+    return float((out - ref).norm() / ref.norm())
+
+
+def rnd(*shape, scale=1.0, dtype=BF16):
+    return (torch.randn(*shape) * scale).to(dtype).to(DEV)
+
+
+def _gdn_inputs(T, Hk, Hv, Dk, Dv):
+    """q, k, v as views of one conv output [T, q | k | v], like the model produces them."""
+    mixed = rnd(T, 2 * Hk * Dk + Hv * Dv)
+    q = mixed[:, : Hk * Dk].view(T, Hk, Dk)
+    k = mixed[:, Hk * Dk : 2 * Hk * Dk].view(T, Hk, Dk)
+    v = mixed[:, 2 * Hk * Dk :].view(T, Hv, Dv)
+    ab = rnd(T, 2 * Hv)
+    a, b = ab[:, :Hv], ab[:, Hv:]
+    A_log = (torch.rand(Hv) * 2 - 1).to(DEV)
+    dt_bias = rnd(Hv, dtype=torch.float32)
+    return q, k, v, a, b, A_log, dt_bias
+
+
+@pytest.mark.parametrize("C,K", [(80, 4), (64, 2)])
+def test_causal_conv1d_prefill(C, K):
+    lens = [1, 2, 21]
+    cu = torch.tensor([0, 1, 3, 24], dtype=torch.int32, device=DEV)
+    x = rnd(24, 2 * C)[:, :C]  # a strided view, like q|k|v out of a wider projection
+    w = rnd(C, K, scale=0.5)
+    state = torch.full((5, K - 1, C), float("nan"), dtype=BF16, device=DEV)
+    slots = torch.tensor([3, 0, 4], device=DEV)
+    out = causal_conv1d(x, w, cu, max(lens), state, slots)
+    ref, ref_state = causal_conv1d_ref(x, w, cu)
+    assert rel_err(out, ref) < 1e-2
+    assert torch.equal(state[slots].float().cpu(), ref_state.cpu())  # exact input copies, zeros before start
+    assert torch.isnan(state[1].float()).all()  # untouched slots stay untouched
+
+
+def test_causal_conv1d_update_matches_prefill():
+    """Decoding token by token from a prefilled state gives the same outputs as one long prefill."""
+    C, K, L, P = 48, 4, 9, 5
+    x = rnd(L, C)
+    w = rnd(C, K, scale=0.5)
+    state = rnd(2, K - 1, C)
+    slot = torch.tensor([1], device=DEV)
+    causal_conv1d(x[:P], w, torch.tensor([0, P], dtype=torch.int32, device=DEV), P, state, slot)
+    full, _ = causal_conv1d_ref(x, w, torch.tensor([0, L], dtype=torch.int32))
+    for t in range(P, L):
+        ref_out, ref_state = causal_conv1d_update_ref(x[t : t + 1], w, state, slot)
+        out = causal_conv1d_update(x[t : t + 1], w, state, slot)
+        assert rel_err(out, ref_out) < 1e-2 and rel_err(out, full[t : t + 1]) < 1e-2
+        assert torch.equal(state.float().cpu(), ref_state.float().cpu())
+
+
+def test_causal_conv1d_update_padded_row():
+    C, K = 32, 4
+    state = rnd(1, K - 1, C)
+    before = state.clone()
+    out = causal_conv1d_update(rnd(2, C), rnd(C, K), state, torch.tensor([-1, -1], device=DEV))
+    assert torch.equal(out.float().cpu(), torch.zeros(2, C)) and torch.equal(state, before)
+
+
+@pytest.mark.parametrize("Hk,Hv,D", [(2, 4, 32), (1, 1, 16)])
+def test_gated_delta_rule_prefill(Hk, Hv, D):
+    cu = torch.tensor([0, 1, 13, 20], dtype=torch.int32, device=DEV)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(20, Hk, Hv, D, D)
+    state = torch.full((4, Hv, D, D), float("nan"), device=DEV)
+    slots = torch.tensor([2, 0, 3], device=DEV)
+    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu)
+    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(state[slots], ref_final) < 1e-4  # fp32 state, fp32 math
+    assert torch.isnan(state[1]).all()
+
+
+@pytest.mark.parametrize("state_dtype,tol", [(torch.float32, 1e-4), (BF16, 1e-2)])
+def test_gated_delta_rule_decode(state_dtype, tol):
+    Hk, Hv, D, B = 2, 4, 32, 3
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(B, Hk, Hv, D, D)
+    state = rnd(5, Hv, D, D, scale=0.3, dtype=state_dtype)
+    slots = torch.tensor([4, 1, 2], device=DEV)
+    init = state[slots].clone()
+    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots)
+    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias,
+                                          torch.arange(B + 1, dtype=torch.int32), initial_state=init)
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(state[slots], ref_final) < tol
+
+
+def test_gated_delta_rule_padded_row_leaves_state():
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(2, 1, 2, 16, 16)
+    state = rnd(1, 2, 16, 16, dtype=torch.float32)
+    before = state.clone()
+    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, torch.tensor([0, -1], device=DEV))
+    assert torch.equal(out[1].float().cpu(), torch.zeros(2, 16)) and not torch.equal(state, before)
+    assert not torch.isnan(out).any()
+
+
+def test_gated_rmsnorm():
+    x = rnd(5, 4, 64)
+    z = rnd(5, 8, 64)[:, 4:]  # z may be a view
+    w = rnd(64, scale=0.5)
+    assert rel_err(gated_rmsnorm(x, z.contiguous(), w, 1e-6), gated_rmsnorm_ref(x, z, w, 1e-6)) < 1e-2
+    with pytest.raises(ValueError, match="z/weight"):
+        gated_rmsnorm(x, z[:, :2], w, 1e-6)
+
+
+@pytest.mark.gpu
+def test_real_shapes_gpu():
+    """Qwen3.5 shapes: conv_dim 8192, K 4, Hk 16, Hv 32, Dk = Dv = 128; prefill then decode steps."""
+    Hk, Hv, D, C, K = 16, 32, 128, 8192, 4
+    lens = [700, 1, 300]
+    cu = torch.tensor([0, 700, 701, 1001], dtype=torch.int32, device=DEV)
+    T = 1001
+    x = rnd(T, C)
+    w = rnd(C, K, scale=0.5)
+    conv_state = torch.empty(8, K - 1, C, dtype=BF16, device=DEV)
+    slots = torch.tensor([5, 0, 7], device=DEV)
+    mixed = causal_conv1d(x, w, cu, max(lens), conv_state, slots)
+    ref_mixed, ref_cs = causal_conv1d_ref(x, w, cu)
+    assert rel_err(mixed, ref_mixed) < 1e-2 and torch.equal(conv_state[slots].float(), ref_cs)
+    q = mixed[:, : Hk * D].view(T, Hk, D)
+    k = mixed[:, Hk * D : 2 * Hk * D].view(T, Hk, D)
+    v = mixed[:, 2 * Hk * D :].view(T, Hv, D)
+    _, _, _, a, b, A_log, dt_bias = _gdn_inputs(T, 1, Hv, 1, 1)
+    state = torch.empty(8, Hv, D, D, device=DEV)
+    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu)
+    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
+    assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-3
+    B = 64
+    qd, kd, vd, ad, bd, _, _ = _gdn_inputs(B, Hk, Hv, D, D)
+    dstate = torch.randn(B + 4, Hv, D, D, device=DEV) * 0.1
+    dslots = torch.randperm(B + 4, device=DEV)[:B]
+    init = dstate[dslots].clone()
+    out = gated_delta_rule(qd, kd, vd, ad, bd, A_log, dt_bias, dstate, dslots)
+    ref, ref_final = gated_delta_rule_ref(qd, kd, vd, ad, bd, A_log, dt_bias,
+                                          torch.arange(B + 1, dtype=torch.int32), initial_state=init)
+    assert rel_err(out, ref) < 1e-2 and rel_err(dstate[dslots], ref_final) < 1e-4
+    z = rnd(B, Hv, D)
+    nw = rnd(D)
+    assert rel_err(gated_rmsnorm(out, z, nw, 1e-6), gated_rmsnorm_ref(out, z, nw, 1e-6)) < 1e-2
