@@ -4,14 +4,17 @@ tests/test_slurm_cluster.py runs the same script on a real single-node Slurm.
 """
 
 import json
+import os
 import shlex
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batchinfer.jobs import commit, slurm
+from batchinfer.jobs import attempts, commit, slurm
 from batchinfer.jobs.plan import Plan, build_plan, open_or_create
 from click.testing import CliRunner
 
@@ -66,12 +69,16 @@ def fake_slurm(tmp_path, monkeypatch):
         path = bin_dir / name
         path.write_text(FAKE.format(log=log, body=body.format(log=log, bin=bin_dir)))
         path.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     return log, bin_dir
 
 
 def calls(log: Path, prog: str) -> list[list[str]]:
     return [shlex.split(line)[1:] for line in log.read_text().splitlines() if line.startswith(prog + " ")]
+
+
+def requeues(log: Path) -> list[list[str]]:
+    return [c for c in calls(log, "scontrol") if c[0] == "requeue"]
 
 
 def test_compress_writes_slurm_ranges():
@@ -243,3 +250,64 @@ def test_slurm_without_plan_says_how_to_start(tmp_path):
     result = CliRunner().invoke(cli, ["slurm", str(tmp_path / "nojob")])
     assert isinstance(result.exception, InputError)
     assert "no plan here" in str(result.exception)
+
+
+def _run_script(plan: Plan, task: int, offset: int = 0) -> subprocess.Popen:
+    """Run the rendered array script as Slurm would start one task (fake scontrol on PATH)."""
+    env = {**os.environ, "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_JOB_ID": "55", "SLURM_JOB_ID": "56",
+           "BATCHINFER_SHARD_OFFSET": str(offset)}  # fmt: skip
+    script = plan.job_dir / "slurm" / "batchinfer.sbatch"
+    return subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def _ids(plan: Plan, shard: int) -> list[int]:
+    ids: list[int] = []
+    for path in (plan.job_dir / commit.SHARDS_DIR / f"{shard:05d}").glob("*.parquet"):
+        ids += pq.read_table(path, columns=["id"]).column("id").to_pylist()
+    return sorted(ids)
+
+
+def test_script_runs_the_offset_shard(tmp_path, fake_slurm):
+    plan = make_job(tmp_path, rows=12, shards=6)
+    assert CliRunner().invoke(cli, ["slurm", str(plan.job_dir)]).exit_code == 0
+    proc = _run_script(plan, task=1, offset=4)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "batchinfer: shard 5, array task 55_1 (job 56)" in out
+    assert attempts.incomplete_shards(plan) == [0, 1, 2, 3, 4]
+    assert _ids(plan, 5) == [10, 11]
+    assert requeues(fake_slurm[0]) == []
+
+
+def test_script_forwards_usr2_commits_and_requeues_itself(tmp_path, fake_slurm):
+    log, _ = fake_slurm
+    plan = make_job(tmp_path, rows=30, shards=1, chunk_rows=2, engine_args={"delay": "0.1"})
+    assert CliRunner().invoke(cli, ["slurm", str(plan.job_dir)]).exit_code == 0
+    proc = _run_script(plan, task=0)
+    chunks = plan.job_dir / commit.SHARDS_DIR / "00000"
+    deadline = time.monotonic() + 60
+    while len(list(chunks.glob("*.parquet"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR2)  # what --signal=B:USR2@N does: only the batch shell gets it
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "worker exited with 75" in out and "requeueing shard 0" in out
+    assert requeues(log) == [["requeue", "56"]]
+    committed = _ids(plan, 0)
+    assert 2 * 2 <= len(committed) < 30  # stopped early, with whole chunks only
+    again = _run_script(plan, task=0)  # the requeued task
+    out, _ = again.communicate(timeout=60)
+    assert again.returncode == 0, out
+    assert _ids(plan, 0) == list(range(30))
+    assert requeues(log) == [["requeue", "56"]]  # finished: no second requeue
+
+
+def test_script_passes_a_worker_failure_on_without_requeue(tmp_path, fake_slurm):
+    plan = make_job(tmp_path, rows=4, shards=1, engine_args={"crash_marker": "row 2"})
+    assert CliRunner().invoke(cli, ["slurm", str(plan.job_dir)]).exit_code == 0
+    proc = _run_script(plan, task=0)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out  # the task fails, so `--retry` picks the shard up again
+    assert "echo engine crashed" in out
+    assert requeues(fake_slurm[0]) == []

@@ -1,0 +1,111 @@
+"""Several GPUs on one node: `--gpus` parsing and one `batchinfer run` worker per device sharing shards.
+
+On this CPU machine the workers get made-up device ids; the echo engine ignores them, which is enough
+to check that the workers split the shards between them through the shard locks, every row is done
+exactly once, and USR2 to the parent stops every worker at a chunk boundary.
+"""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from batchinfer.jobs import attempts, commit, local
+from test_slurm import make_job
+
+from batchinfer.errors import InputError
+
+
+def test_parse_gpus_forms():
+    visible = ["3", "5", "7"]
+    assert local.parse_gpus("all", visible) == ["3", "5", "7"]
+    assert local.parse_gpus("2", visible) == ["3", "5"]
+    assert local.parse_gpus("0,2", visible) == ["3", "7"]  # indices count within the visible devices
+    assert local.parse_gpus(" 1 ", visible) == ["3"]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("4", "--gpus 4: expected 1..3 (this machine sees 3 GPUs)"),
+        ("0", "--gpus 0: expected 1..3"),
+        ("0,3", "--gpus 0,3: no device 3; this machine sees devices 0..2"),
+        ("0,0", "--gpus 0,0: a device is listed twice"),
+        ("gpu0", "--gpus 'gpu0': expected 'all', a count such as 4, or device ids such as 0,1"),
+    ],
+)
+def test_parse_gpus_errors(spec, message):
+    with pytest.raises(InputError) as e:
+        local.parse_gpus(spec, ["0", "1", "2"])
+    assert message in str(e.value)
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert local.visible_gpus() == ["2", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1a2b,GPU-3c4d")  # UUIDs pass through
+    assert local.parse_gpus("1") == ["GPU-1a2b"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local.visible_gpus() == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_gpus_on_a_cpu_machine_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(InputError) as e:
+        local.parse_gpus("all")
+    assert "--gpus all: this machine has no CUDA GPU visible" in str(e.value)
+    assert "run without --gpus to use the CPU" in str(e.value)
+
+
+def _output_ids(job_dir):
+    ids = []
+    for path in (job_dir / commit.SHARDS_DIR).glob("*/*.parquet"):
+        ids += pq.read_table(path, columns=["id"]).column("id").to_pylist()
+    return sorted(ids)
+
+
+def test_workers_share_the_shards_and_do_every_row_once(tmp_path, capfd):
+    plan = make_job(tmp_path, rows=48, shards=6, chunk_rows=4, engine_args={"delay": "0.1"})
+    assert local.run_on_gpus(plan.job_dir, ["0", "1"]) == 0
+    err = capfd.readouterr().err
+    assert attempts.incomplete_shards(plan) == []
+    assert _output_ids(plan.job_dir) == list(range(48))
+    # each shard was worked on by exactly one worker, and both workers got some
+    by_gpu = {
+        gpu: {int(line.split("shard ")[1][:5]) for line in err.splitlines() if line.startswith(f"[gpu {gpu}]")
+              and " done: " in line}
+        for gpu in ("0", "1")
+    }  # fmt: skip
+    assert by_gpu["0"] and by_gpu["1"], err
+    assert by_gpu["0"].isdisjoint(by_gpu["1"]), err
+    assert by_gpu["0"] | by_gpu["1"] == set(range(6)), err
+
+
+RUN = """
+import sys
+from batchinfer.jobs import local
+sys.exit(local.run_on_gpus(sys.argv[1], ["0", "1"]))
+"""
+
+
+def test_usr2_stops_every_worker_at_a_chunk_boundary_and_a_rerun_finishes(tmp_path):
+    plan = make_job(tmp_path, rows=64, shards=4, chunk_rows=2, engine_args={"delay": "0.1"})
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(plan.job_dir)], stderr=subprocess.PIPE, text=True)
+    shards = plan.job_dir / commit.SHARDS_DIR
+    deadline = time.monotonic() + 60
+    while len(list(shards.glob("*/*.parquet"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err  # EXIT_STOPPED: rerun to continue
+    assert err.count("stopped on request") == 2, err
+    left = attempts.incomplete_shards(plan)
+    assert left, err
+    assert f"{len(left)} shards are not done yet" in err
+    assert local.run_on_gpus(plan.job_dir, ["0", "1"]) == 0
+    assert attempts.incomplete_shards(plan) == []
+    assert _output_ids(plan.job_dir) == list(range(64))  # no row lost or duplicated by the stop
