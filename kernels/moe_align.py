@@ -1,0 +1,116 @@
+"""Token sorting for the fused MoE: group the (token, slot) entries by expert, padded to BLOCK_M.
+
+Input `topk_ids int32 [T, A]` (flattened to NUMEL = T*A entries). Output, all on the device (no host
+sync, CUDA-graph safe):
+- `sorted_ids int32 [max_padded]`: entry indices grouped by expert, each expert's group padded to a
+  multiple of BLOCK_M with the sentinel NUMEL; within a group entries keep token order (deterministic);
+- `block_expert int32 [max_blocks]`: the expert of each BLOCK_M block;
+- `num_padded int32 [1]`: the used length of `sorted_ids` (blocks at or past it are idle).
+Three launches: per-chunk expert histograms (many CTAs), one CTA turning them into offsets (and
+filling the sentinel), then a scatter (many CTAs). Ranks within a chunk come from a cumulative sum of
+a one-hot [CHUNK, E] matrix, so no atomics and the order is reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CHUNK = 64
+
+
+@triton.jit
+def _moe_hist_kernel(ids_ptr, hist_ptr, NUMEL, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < NUMEL, other=-1)
+    onehot = (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+    tl.store(hist_ptr + pid * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _moe_offsets_kernel(
+    hist_ptr, chunk_base_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,  #
+    NUMEL, NUM_CHUNKS, MAX_PADDED, MAX_BLOCKS,  #
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CB: tl.constexpr,  #
+):
+    e_offs = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, NUM_CHUNKS, CB):
+        rows = c0 + tl.arange(0, CB)
+        mask = rows[:, None] < NUM_CHUNKS
+        h = tl.load(hist_ptr + rows[:, None] * E_PAD + e_offs[None, :], mask=mask, other=0)
+        counts += tl.sum(h, axis=0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    # chunk_base[c, e] = starts[e] + entries of expert e in chunks before c
+    running = starts
+    for c0 in range(0, NUM_CHUNKS, CB):
+        rows = c0 + tl.arange(0, CB)
+        mask = rows[:, None] < NUM_CHUNKS
+        h = tl.load(hist_ptr + rows[:, None] * E_PAD + e_offs[None, :], mask=mask, other=0)
+        excl = tl.cumsum(h, axis=0) - h
+        tl.store(chunk_base_ptr + rows[:, None] * E_PAD + e_offs[None, :], running[None, :] + excl, mask=mask)
+        running += tl.sum(h, axis=0)
+    for b0 in range(0, MAX_BLOCKS, CB):
+        blocks = b0 + tl.arange(0, CB)
+        pos = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)  # first expert ending after pos
+        tl.store(block_expert_ptr + blocks, tl.where(pos < total, expert, -1), mask=blocks < MAX_BLOCKS)
+    for p0 in range(0, MAX_PADDED, CB * 16):
+        p = p0 + tl.arange(0, CB * 16)
+        tl.store(sorted_ptr + p, tl.full((CB * 16,), 0, tl.int32) + NUMEL, mask=p < MAX_PADDED)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, NUMEL, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < NUMEL, other=-1)
+    e_offs = tl.arange(0, E_PAD)
+    onehot = (ids[:, None] == e_offs[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    base = tl.sum(tl.load(chunk_base_ptr + pid * E_PAD + e_offs)[None, :] * onehot, axis=1)
+    tl.store(sorted_ptr + base + rank, offs, mask=offs < NUMEL)
+
+
+def max_blocks(numel: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on BLOCK_M blocks after padding: every non-empty expert adds < one block."""
+    return triton.cdiv(numel, block_m) + min(num_experts, numel)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`topk_ids int32 [T, A]` -> (sorted_ids, block_expert, num_padded); see the module docstring."""
+    if topk_ids.dtype != torch.int32 or topk_ids.ndim != 2:
+        raise ValueError(f"topk_ids: expected int32 [T, A], got {topk_ids.dtype} {list(topk_ids.shape)}")
+    ids = topk_ids.contiguous().view(-1)
+    numel, dev = ids.numel(), ids.device
+    e_pad = triton.next_power_of_2(num_experts)
+    blocks = max_blocks(numel, num_experts, block_m)
+    chunks = max(1, triton.cdiv(numel, _CHUNK))
+    hist = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
+    chunk_base = torch.empty_like(hist)
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _moe_hist_kernel[(chunks,)](ids, hist, numel, E_PAD=e_pad, CHUNK=_CHUNK)
+    _moe_offsets_kernel[(1,)](
+        hist, chunk_base, sorted_ids, block_expert, num_padded,  #
+        numel, chunks, blocks * block_m, blocks,  #
+        E_PAD=e_pad, BLOCK_M=block_m, CB=16, num_warps=8,  #
+    )
+    _moe_scatter_kernel[(chunks,)](ids, chunk_base, sorted_ids, numel, E_PAD=e_pad, CHUNK=_CHUNK)
+    return sorted_ids, block_expert, num_padded
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[list[list[int]], int]:
+    """Reference: per expert, the entry indices routed to it in order, and the padded total length."""
+    flat = topk_ids.reshape(-1).tolist()
+    groups = [[i for i, e in enumerate(flat) if e == x] for x in range(num_experts)]
+    return groups, sum(triton.cdiv(len(g), block_m) * block_m for g in groups)
