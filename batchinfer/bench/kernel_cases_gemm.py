@@ -1,9 +1,10 @@
-"""Benchmark cases for the linear kernels (NVFP4 W4A16, FP8 W8A16) at the real shapes of both models.
+"""Benchmark cases for the linear kernels (NVFP4 W4A16, FP8 W8A16) and the fused MoE, both models.
 
 Baselines: "dequant+cublas" (the weight's torch `dequantize` to bf16, then `x @ W^T`), "cublas_bf16"
 (`x @ W^T` on a bf16 weight already in memory: the same-shape ceiling of issue 5's large-M target)
 and, for FP8, "scaled_mm_w8a8" (per-token FP8 activations through cuBLAS `torch._scaled_mm`,
-quantization included), which is what an FP8-tensor-core path would reach.
+quantization included), which is what an FP8-tensor-core path would reach. The MoE baseline is the
+fp32 reference loop over experts (host-synchronising, so timed eagerly).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
 from batchinfer.kernels.fp8_gemm import fp8_gemm
+from batchinfer.kernels.moe import fused_moe, moe_experts_ref, moe_route, moe_route_ref, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
 from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm
 from batchinfer.models.config import ModelConfig
@@ -95,3 +97,42 @@ def linear_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[Ke
         for m in ms:
             yield KernelCase("fp8_gemm", model, f"{name} N={n} K={k}", m,
                              lambda dev, m=m, n=n, k=k: _linear_timed("fp8", m, n, k, dev))
+
+
+def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
+    """One layer's fused MoE, NVFP4 experts; bytes = expert bytes the routing actually touches."""
+    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    shared = cfg.shared_expert_intermediate_size > 0
+    w_one = [quantize_nvfp4(torch.randn(n, k, device=device) * 0.02) for n, k in ((i, d), (i, d), (d, i))]
+    # Distinct experts without quantizing each: roll the codes (timing does not depend on values).
+    experts = [
+        tuple(NVFP4Weight(w.packed.roll(j, 1).contiguous(), w.block_scale, w.tensor_scale) for w in w_one)
+        for j in range(e)
+    ]
+    gate = torch.randn(1, d, device=device, dtype=torch.bfloat16) if shared else None
+    router = torch.randn(e, d, device=device, dtype=torch.bfloat16)
+    w = stack_moe_weights(router, experts, tuple(w_one) if shared else None, gate)
+    per_expert = 3 * (i * d // 2 + i * d // 16)
+    probe = torch.randn(t, d, device=device, dtype=torch.bfloat16)
+    touched = moe_route(probe @ w.router.t(), e, cfg.num_experts_per_tok, True, shared)[0].unique().numel()
+    io = 2 * t * d * 2
+    sets = rotating_sets(touched * per_expert + io, cap=64)
+    hs = [probe] + [torch.randn(t, d, device=device, dtype=torch.bfloat16) for _ in range(sets - 1)]
+    top_k, slots = cfg.num_experts_per_tok, cfg.num_experts_per_tok + shared
+
+    def reference(j: int) -> torch.Tensor:
+        ids, route_w = moe_route_ref(hs[j] @ w.router.t(), e, top_k, True, shared)
+        return moe_experts_ref(hs[j], ids, route_w, w)
+
+    return Timed(run=lambda j: fused_moe(hs[j], w, top_k, True), n_sets=sets, bytes=touched * per_expert + io,
+                 flops=2 * t * slots * 3 * i * d, baselines={"reference_loop": reference},
+                 eager=frozenset({"reference_loop"}))
+
+
+@register
+def moe_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[KernelCase]:
+    shape = f"E={cfg.num_experts} I={cfg.moe_intermediate_size} top{cfg.num_experts_per_tok}" + (
+        " +shared" if cfg.shared_expert_intermediate_size else "")
+    for m in ms:
+        target = Target("bandwidth", 0.60) if m <= 64 else None
+        yield KernelCase("fused_moe", model, shape, m, lambda dev, m=m: _moe_timed(cfg, m, dev), target)

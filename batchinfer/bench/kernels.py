@@ -84,6 +84,7 @@ class Timed:
     bytes: int
     flops: int
     baselines: dict[str, Callable[[int], Any]] = field(default_factory=dict)
+    eager: frozenset[str] = frozenset()  # baselines that sync with the host: timed without a CUDA graph
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,25 +120,24 @@ def collect_cases(models: Sequence[str], ms: Sequence[int] = M_VALUES) -> list[K
     return [case for model in models for factory in _FACTORIES for case in factory(model, configs[model], ms)]
 
 
-def time_per_call(fn: Callable[[int], Any], n_sets: int, budget_s: float = 0.3) -> tuple[float, str]:
-    """Median seconds per call over CUDA-graph replays of `n_sets` calls; eager if capture fails."""
+def time_per_call(
+    fn: Callable[[int], Any], n_sets: int, budget_s: float = 0.3, graph: bool = True
+) -> float:
+    """Median seconds per call over replays of `n_sets` calls: one CUDA graph, or eager if `graph` is
+    False (code that syncs with the host cannot be captured)."""
     for i in range(n_sets):  # warm-up: compiles, allocates workspaces outside the graph
         fn(i)
     torch.cuda.synchronize()
-    mode = "graph"
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(n_sets):
-                fn(i)
-        replay = graph.replay
-    except RuntimeError as e:
-        log.warning("CUDA graph capture failed (%s); timing eagerly", e)
-        mode = "eager"
 
-        def replay() -> None:
-            for i in range(n_sets):
-                fn(i)
+    def replay() -> None:
+        for i in range(n_sets):
+            fn(i)
+
+    if graph:
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            replay()
+        replay = cuda_graph.replay
 
     replay()
     torch.cuda.synchronize()
@@ -154,17 +154,17 @@ def time_per_call(fn: Callable[[int], Any], n_sets: int, budget_s: float = 0.3) 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / n_sets, mode
+    return statistics.median(times) / n_sets
 
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:
     """Copy bandwidth (bytes/s, read + write) and cuBLAS bf16 GEMM (flop/s) on this GPU, now."""
     src = torch.randn(2**29, device=device, dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
-    t_copy, _ = time_per_call(lambda i: dst.copy_(src), 1, budget_s=0.5)
+    t_copy = time_per_call(lambda i: dst.copy_(src), 1, budget_s=0.5)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    t_mm, _ = time_per_call(lambda i: a @ b, 1, budget_s=1.0)
+    t_mm = time_per_call(lambda i: a @ b, 1, budget_s=1.0)
     return {"copy_bytes_per_s": 2 * 2**30 / t_copy, "bf16_flops_per_s": 2 * 8192**3 / t_mm}
 
 
@@ -188,13 +188,16 @@ def run_cases(cases: Sequence[KernelCase], device: torch.device) -> Iterator[dic
     yield {"op": "ceilings", **ceilings}
     for case in cases:
         timed = case.build(device)
-        sec, mode = time_per_call(timed.run, timed.n_sets)
+        sec = time_per_call(timed.run, timed.n_sets)
         row: dict[str, Any] = {
             "op": case.op, "model": case.model, "shape": case.shape, "m": case.m, "us": sec * 1e6,
-            "mode": mode, "tb_s": timed.bytes / sec / 1e12, "tflop_s": timed.flops / sec / 1e12,
+            "tb_s": timed.bytes / sec / 1e12, "tflop_s": timed.flops / sec / 1e12,
             "bw_frac": timed.bytes / sec / ceilings["copy_bytes_per_s"],
             "flop_frac": timed.flops / sec / ceilings["bf16_flops_per_s"],
-            "baselines_us": {k: time_per_call(f, timed.n_sets)[0] * 1e6 for k, f in timed.baselines.items()},
+            "baselines_us": {
+                k: time_per_call(f, timed.n_sets, graph=k not in timed.eager) * 1e6
+                for k, f in timed.baselines.items()
+            },
             "target": None if case.target is None else f"{case.target.metric}>={case.target.fraction:.0%}",
         }
         row["target_met"] = _target_met(case, row, ceilings)

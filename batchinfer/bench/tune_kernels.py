@@ -45,12 +45,12 @@ def tune_point(gemm: Callable, table: Callable, ws: list, wb: list, m: int) -> d
     """Time the table's config, every candidate and cuBLAS bf16 for one (shape, M)."""
     sets, k = len(ws), wb[0].shape[1]
     xs = [torch.randn(m, k, device=wb[0].device, dtype=torch.bfloat16) for _ in range(sets)]
-    cublas, _ = time_per_call(lambda i: xs[i] @ wb[i].t(), sets, budget_s=0.05)
+    cublas = time_per_call(lambda i: xs[i] @ wb[i].t(), sets, budget_s=0.05)
     timings = {}
     for cfg in dict.fromkeys([table(m), *candidates(m)]):
         try:
             run = lambda i, c=cfg: gemm(xs[i], ws[i], config=c)
-            timings[cfg], _ = time_per_call(run, sets, budget_s=0.05)
+            timings[cfg] = time_per_call(run, sets, budget_s=0.05)
         except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
             log.warning("%s: %s", cfg, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
     best = min(timings, key=timings.get)

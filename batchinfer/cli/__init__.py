@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "status": "batchinfer.cli.status:status_command",
     "query": "batchinfer.cli.query:query_command",
     "export": "batchinfer.cli.export:export_command",
+    "bench": "batchinfer.cli.bench:bench",
     "retry-errors": "batchinfer.cli.retry_errors:retry_errors_command",
     "make-checkpoint": "batchinfer.cli.make_checkpoint:make_checkpoint_command",
     "quantize": "batchinfer.cli.quantize:quantize_command",
