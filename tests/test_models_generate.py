@@ -107,7 +107,7 @@ def test_on_step_sees_every_token_and_can_stop_rows(model):
     def on_step(tokens):
         for r, t in tokens.items():
             seen[r].append(t)
-        return [1] if len(seen[1]) == 3 else None
+        return [1, 99] if len(seen[1]) == 3 else None  # 99 is no running row: ignored
 
     outs = generate(model, prompts, params, on_step=on_step)
     assert outs[1] == GenerationOutput(reference[1].token_ids[:3], "stop")

@@ -17,8 +17,9 @@ from batchinfer.engine.api import SamplingParams
 from batchinfer.engine.sampling import sample_rows
 from batchinfer.models.qwen_moe import QwenMoeModel
 
-# Called once per step with {request index: token just sampled}; returns the indices of requests to
-# stop now (finish_reason "stop"), e.g. because a stop string appeared in the detokenized text.
+# Called once per step with {request index: token just sampled} for the rows still running; returns
+# the indices of those to stop now (finish_reason "stop"), e.g. when a stop string appeared in the
+# detokenized text. Other indices are ignored.
 StepCallback = Callable[[dict[int, int]], Collection[int] | None]
 
 
@@ -81,8 +82,10 @@ def generate(
             elif len(outputs[r]) >= params[r].max_tokens:
                 reasons[r] = "length"
         if on_step is not None:
-            for r in on_step(dict(zip(active, tokens, strict=True))) or ():
-                reasons[r] = "stop"
+            step_tokens = dict(zip(active, tokens, strict=True))
+            for r in on_step(step_tokens) or ():
+                if r in step_tokens:  # a stop string on the last allowed token still counts as "stop"
+                    reasons[r] = "stop"
         keep = [row for row, r in enumerate(active) if reasons[r] is None]
         if not keep:
             break
