@@ -8,7 +8,7 @@
 # cgroup-free slurm.conf under STATE_DIR (it never touches /etc/slurm), starts munged (unless one already
 # answers), slurmctld and slurmd on private ports, and waits until the node is idle. Every daemon's pid
 # lands in STATE_DIR/*.pid for stop_cluster.sh. Exit 77 means "Slurm cannot be installed here" (not root,
-# no apt-get); any other failure is a real error.
+# no apt-get); any other failure is a real error. Ports 16817/16818, so a site's own Slurm is not disturbed.
 set -euo pipefail
 
 state=${1:?usage: start_cluster.sh STATE_DIR [MAX_ARRAY_SIZE]}
@@ -28,6 +28,13 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
     fi
     echo "start_cluster: installing slurm-wlm and munge" >&2
     export DEBIAN_FRONTEND=noninteractive
+    # Keep the packages from starting their services with default configs (slurmctld's would fail
+    # without /etc/slurm/slurm.conf and fail the install); the standard policy-rc.d "deny" answer.
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+        chmod 0755 /usr/sbin/policy-rc.d
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
     apt-get update -q >&2
     apt-get install -y -q --no-install-recommends slurm-wlm munge >&2
 fi
@@ -46,12 +53,15 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
         munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break
         sleep 0.1
     done
-    pgrep -u munge -x munged -n >"$state/munged.pid"
+    cp /run/munge/munged.pid "$state/munged.pid"
 fi
 
 host=$(hostname -s)
 cpus=$(nproc)
-mkdir -p "$state/ctld" "$state/spool" "$state/log"
+# Job scripts run from the spool dir, so keep it off /tmp (often mounted noexec on CI runners).
+spool=/var/spool/batchinfer-test-slurmd
+mkdir -p "$state/ctld" "$state/log" "$spool"
+echo "$spool" >"$state/spool_dir"
 cat >"$state/slurm.conf" <<CONF
 ClusterName=batchinfer-test
 SlurmctldHost=$host(127.0.0.1)
@@ -61,7 +71,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation=$state/ctld
-SlurmdSpoolDir=$state/spool
+SlurmdSpoolDir=$spool
 SlurmctldPidFile=$state/slurmctld.pid
 SlurmdPidFile=$state/slurmd.pid
 SlurmctldLogFile=$state/log/slurmctld.log

@@ -22,3 +22,7 @@ for daemon in slurmd slurmctld munged; do
     kill -9 "$pid" 2>/dev/null || true
     rm -f "$pidfile"
 done
+if [ -s "$state/spool_dir" ]; then
+    rm -rf "$(cat "$state/spool_dir")"
+    rm -f "$state/spool_dir"
+fi
