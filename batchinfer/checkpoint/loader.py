@@ -187,12 +187,28 @@ def _plan(
             if want_field not in have:
                 problems.append(f"{where}: missing tensor {expected} (shape {list(spec.shape)})")
                 continue
+            scales = sorted(f for f in have if f not in (want_field, *_OPTIONAL))
+            if spec.linear and scales:
+                why = (
+                    f"{quant.source} does not quantize it"
+                    if quant
+                    else "the checkpoint has no quantization config"
+                )
+                problems.append(
+                    f"{where}: linear {hf_base} is stored quantized (has {', '.join(scales)}) but {why}"
+                )
+                continue
             unknown.extend(v for f, v in have.items() if f != want_field)
             check(have[want_field], spec.shape, _DENSE_DTYPES, "unquantized" if spec.linear else "")
             plan[canon] = ("dense", have[want_field])
             continue
         want_fields = _QUANT_FIELDS[(quant.method, fmt)]
         n, k = spec.shape
+        if set(have) == {"weight"} and infos[have["weight"]].dtype in _DENSE_DTYPES:
+            problems.append(
+                f"{where}: linear {hf_base} is stored unquantized but {quant.source} makes it {fmt}"
+            )
+            continue
         for f, (dt, shape_fn) in want_fields.items():
             full = layout.hf_name(prefixes.get(canon, _guess_prefix(prefixes)), canon, f)
             if f not in have:
