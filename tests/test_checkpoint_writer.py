@@ -31,13 +31,8 @@ def test_vl_config_writes_the_official_layout_without_copying_experts():
     config, tensors = to_hf_checkpoint(raw, w)
     assert config["model_type"] == "qwen3_5_moe" and "quantization_config" not in config
     gate_up = tensors["model.language_model.layers.2.mlp.experts.gate_up_proj"]
-    assert gate_up.shape == (8, 64, 64) and tensors[
-        "model.language_model.layers.2.mlp.experts.down_proj"
-    ].shape == (
-        8,
-        64,
-        32,
-    )
+    down = tensors["model.language_model.layers.2.mlp.experts.down_proj"]
+    assert gate_up.shape == (8, 64, 64) and down.shape == (8, 64, 32)
     assert (
         gate_up.data_ptr() == w["layers.2.mlp.experts.0.gate_proj"].data_ptr()
     )  # the generator's tensor itself
