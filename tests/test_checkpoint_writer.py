@@ -33,9 +33,8 @@ def test_vl_config_writes_the_official_layout_without_copying_experts():
     gate_up = tensors["model.language_model.layers.2.mlp.experts.gate_up_proj"]
     down = tensors["model.language_model.layers.2.mlp.experts.down_proj"]
     assert gate_up.shape == (8, 64, 64) and down.shape == (8, 64, 32)
-    assert (
-        gate_up.data_ptr() == w["layers.2.mlp.experts.0.gate_proj"].data_ptr()
-    )  # the generator's tensor itself
+    # the generator's own tensor, not a copy
+    assert gate_up.data_ptr() == w["layers.2.mlp.experts.0.gate_proj"].data_ptr()
     assert "lm_head.weight" in tensors and "model.language_model.layers.0.linear_attn.A_log" in tensors
     assert not any(".experts.0." in n for n in tensors)
     assert all(n.startswith(("model.language_model.", "lm_head.")) for n in tensors)
