@@ -13,6 +13,7 @@ from batchinfer.errors import BatchinferError
 
 # command name -> "module:function"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
+    "slurm": "batchinfer.cli.slurm:slurm_command",
     "run": "batchinfer.cli.run:run_command",
     "status": "batchinfer.cli.status:status_command",
     "query": "batchinfer.cli.query:query_command",
@@ -21,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "retry-errors": "batchinfer.cli.retry_errors:retry_errors_command",
     "make-checkpoint": "batchinfer.cli.make_checkpoint:make_checkpoint_command",
     "quantize": "batchinfer.cli.quantize:quantize_command",
+    "generate": "batchinfer.cli.generate:generate",
 }
 
 
@@ -42,7 +44,9 @@ class LazyGroup(click.Group):
 def cli(verbose: int, quiet: bool) -> None:
     """Offline batch inference for Qwen MoE models: Parquet in, resumable sharded jobs, Parquet out."""
     level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
 
 
 def main() -> None:

@@ -136,7 +136,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     no_decay = [p for n, p in params.items() if not (weight_specs(cfg)[n].linear or n == "embed_tokens")]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.98),
+        lr=args.lr,
+        betas=(0.9, 0.98),
     )
     train_rows = encode(tok, make_mixture(args.train_per_task, args.seed, "train"), eos_id)
     heldout = make_mixture(args.eval_per_task, args.seed + 1, "heldout")
@@ -157,7 +158,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
         opt.step()
         if step % args.log_every == 0 or step == args.steps:
-            history.append({"step": step, "loss": round(loss.item(), 4), "seconds": round(time.time() - t0, 1)})
+            history.append(
+                {"step": step, "loss": round(loss.item(), 4), "seconds": round(time.time() - t0, 1)}
+            )
             log.info("step %d loss %.4f lr %.2e (%.0fs)", step, loss.item(), lr, time.time() - t0)
 
     weights = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
@@ -166,10 +169,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     log.info("held-out exact match %.3f: %s", mean, accuracy)
     save_checkpoint(out, raw, weights)
     record = {
-        "seed": args.seed, "steps": args.steps, "batch": args.batch, "lr": args.lr, "warmup": args.warmup,
-        "train_examples_per_task": args.train_per_task, "eval_examples_per_task": args.eval_per_task,
-        "parameters": n_params, "tokenizer_vocab": tok.vocab_size, "device": args.device,
-        "train_seconds": round(time.time() - t0, 1), "loss_history": history,
+        "seed": args.seed,
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "train_examples_per_task": args.train_per_task,
+        "eval_examples_per_task": args.eval_per_task,
+        "parameters": n_params,
+        "tokenizer_vocab": tok.vocab_size,
+        "device": args.device,
+        "train_seconds": round(time.time() - t0, 1),
+        "loss_history": history,
         "heldout_exact_match": {**{k: round(v, 4) for k, v in accuracy.items()}, "mean": round(mean, 4)},
     }
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")

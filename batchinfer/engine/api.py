@@ -41,7 +41,9 @@ class SamplingParams:
 class TextRequest:
     index: int  # the caller's handle, returned unchanged in the result
     prompt: str | None = None  # exactly one of prompt / messages
-    messages: list[dict[str, Any]] | None = None  # chat messages [{role, content}], rendered by the chat template
+    messages: list[dict[str, Any]] | None = (
+        None  # chat messages [{role, content}], rendered by the chat template
+    )
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 

@@ -111,7 +111,9 @@ class ModelConfig:
 
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         if rope.get("rope_type", "default") not in ("default", None):
-            raise ConfigError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported; supported: default")
+            raise ConfigError(
+                f"{source}: rope_type {rope.get('rope_type')!r} is not supported; supported: default"
+            )
         rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
         num_layers = int(need("num_hidden_layers"))
         hidden = int(need("hidden_size"))
@@ -138,7 +140,8 @@ class ModelConfig:
             if layer_types is None:
                 interval = int(text.get("full_attention_interval", 4))
                 layer_types = [
-                    "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+                    "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                    for i in range(num_layers)
                 ]
             partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
             extra = dict(
@@ -184,7 +187,9 @@ class ModelConfig:
         try:
             raw = json.loads(file.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"{file}: no config.json found (is {path} a Hugging Face checkpoint folder?)") from None
+            raise ConfigError(
+                f"{file}: no config.json found (is {path} a Hugging Face checkpoint folder?)"
+            ) from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{file}: not valid JSON ({e})") from None
         return cls.from_hf(raw, source=str(file))
