@@ -1,0 +1,97 @@
+"""`load_engine`: a checkpoint folder -> a ready `TextEngine` (model weights, tokenizer, device, dtype)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from batchinfer.checkpoint.loader import load_checkpoint, read_raw_config
+from batchinfer.engine.reference import DEFAULT_MAX_BATCH_SIZE, ReferenceEngine
+from batchinfer.errors import ConfigError
+from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
+from batchinfer.models.qwen_moe import QwenMoeModel
+from batchinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_STORED = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` -> the first CUDA GPU if there is one, else the CPU; anything else as torch spells it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device {device!r} is not a device; expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA GPU on this machine")
+    return dev
+
+
+def describe_quantization(weights: dict[str, object], raw_config: dict[str, object]) -> str:
+    """nvfp4 / fp8 / mixed (both) as loaded; an unquantized checkpoint reports its stored dtype."""
+    kinds = {type(w) for w in weights.values()} & {NVFP4Weight, FP8Weight}
+    if kinds == {NVFP4Weight, FP8Weight}:
+        return "mixed"
+    if kinds:
+        return "nvfp4" if NVFP4Weight in kinds else "fp8"
+    text = raw_config.get("text_config") if isinstance(raw_config.get("text_config"), dict) else {}
+    stored = (
+        raw_config.get("dtype")
+        or raw_config.get("torch_dtype")
+        or text.get("dtype")
+        or text.get("torch_dtype")
+    )
+    return _STORED.get(str(stored), "bf16")
+
+
+def load_engine(
+    model_path: str | Path,
+    device: str = "auto",
+    dtype: str | torch.dtype | None = None,
+    max_model_len: int | None = None,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+) -> ReferenceEngine:
+    """Load a checkpoint folder onto `device` and wrap it in the reference engine.
+
+    `dtype`: activation and dense-weight dtype; default float32 on CPU (bit-stable yardstick) and
+    bfloat16 on GPU. `max_model_len` lowers the context limit below `max_position_embeddings`.
+    """
+    path = Path(model_path)
+    dev = resolve_device(device)
+    if dtype is None:
+        torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    elif isinstance(dtype, torch.dtype):
+        torch_dtype = dtype
+    elif dtype in DTYPES:
+        torch_dtype = DTYPES[dtype]
+    else:
+        raise ConfigError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    started = time.perf_counter()
+    raw = read_raw_config(path)
+    tokenizer = Tokenizer.from_pretrained(path)  # cheap, and fails fast before the weights load
+    config, weights = load_checkpoint(path, device=dev, dtype=torch_dtype)
+    quantization = describe_quantization(weights, raw)
+    model = QwenMoeModel(config, weights, dtype=torch_dtype)
+    log.info(
+        "loaded %s (%s, %s) on %s as %s in %.1f s",
+        path,
+        config.model_type,
+        quantization,
+        dev,
+        str(torch_dtype).removeprefix("torch."),
+        time.perf_counter() - started,
+    )
+    return ReferenceEngine(
+        model,
+        tokenizer,
+        model_path=str(path),
+        quantization=quantization,
+        max_model_len=max_model_len,
+        max_batch_size=max_batch_size,
+    )
