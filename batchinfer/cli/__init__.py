@@ -23,7 +23,6 @@ COMMANDS: dict[str, str] = {
     "make-checkpoint": "batchinfer.cli.make_checkpoint:make_checkpoint_command",
     "quantize": "batchinfer.cli.quantize:quantize_command",
     "generate": "batchinfer.cli.generate:generate",
-    "generate": "batchinfer.cli.generate:generate",
 }
 
 
