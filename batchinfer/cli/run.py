@@ -110,8 +110,11 @@ def _merge(spec_file: str | None, flags: dict[str, Any]) -> dict[str, Any]:
 @click.option("--engine-arg", "engine_arg", multiple=True, help="KEY=VALUE passed to the engine factory.")
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), help="bar (tty default), json, none.")
 @click.option("--force-new-plan", is_flag=True, help="Set the existing plan and results aside; start over.")
+@click.option(
+    "--plan-only", is_flag=True, help="Validate inputs, write plan.json and stop (e.g. before Slurm)."
+)
 def run_command(
-    spec_file: str | None, shard_ids: tuple[int, ...], force_new_plan: bool, **flags: Any
+    spec_file: str | None, shard_ids: tuple[int, ...], force_new_plan: bool, plan_only: bool, **flags: Any
 ) -> None:
     """Run a job: Parquet in, resumable sharded results out.
 
@@ -148,6 +151,13 @@ def run_command(
         plan = plans.open_or_create(_build(job_dir, args, None, check_ids=True))
     for s in shard_ids:
         plan.shard_range(s)
+    if plan_only:
+        click.echo(
+            f"plan {plan.plan_id}: {plan.doc['total_rows']} rows in {plan.num_shards} shards, "
+            f"{len(plan.inputs)} input files -> {plan.job_dir}",
+            err=True,
+        )
+        return
     code = execute(plan, list(shard_ids) or list(range(plan.num_shards)), progress_mode or default_progress())
     sys.exit(code)
 

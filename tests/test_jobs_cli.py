@@ -1,0 +1,251 @@
+"""The job commands as a user runs them: run, status, query, export, retry-errors, spec files, errors."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from batchinfer.jobs.spec import load_spec
+from jobs_fixtures import ECHO, echo_args, model_dir, run_cli, write_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _digest(out: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("shards/*/*")
+    }
+
+
+def test_run_status_query_export(tmp_path):
+    write_inputs(tmp_path, files=3, rows=20)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    args = echo_args(tmp_path, out, "--shards", "4", "--chunk-rows", "6", "--keep-columns", "topic")
+    args[args.index("--progress") + 1] = "json"
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert events[0] == {"event": "start", "rows_total": 60, "shards": 4}
+    assert [e["event"] for e in events].count("chunk") == 12
+    assert events[-1]["event"] == "end" and events[-1]["rows_done"] == 60 and events[-1]["status"] == "done"
+    assert "60 rows processed in 12 chunks (6 errors, 6 skipped)" in r.stderr
+
+    again = run_cli(
+        *echo_args(tmp_path, out, "--shards", "4", "--chunk-rows", "6", "--keep-columns", "topic")
+    )
+    assert again.returncode == 0 and "nothing to do" in again.stderr
+    resume_short = run_cli("run", "--output", str(out), "--progress", "none")
+    assert resume_short.returncode == 0 and "nothing to do" in resume_short.stderr
+
+    s = run_cli("status", str(out), "--json")
+    summary = json.loads(s.stdout)
+    assert summary["rows_done"] == 60 and summary["shards_done"] == 4 and summary["shards_pending"] == 0
+    assert summary["finish_reasons"] == {"error": 6, "skipped": 6, "stop": 48}
+    assert summary["output_tokens"] == 48 * 8 and summary["engine_tokens_per_s"] > 0
+    text = run_cli("status", str(out)).stdout
+    assert "shards   4/4 done" in text and "rows     60/60 done (100.0%)" in text
+
+    q = run_cli("query", str(out), "SELECT finish_reason, count(*) AS n FROM latest GROUP BY 1 ORDER BY 1")
+    assert q.returncode == 0 and "error" in q.stdout and "skipped" in q.stdout
+    csv = tmp_path / "errors.csv"
+    q = run_cli(
+        "query",
+        str(out),
+        "SELECT id, error FROM latest WHERE error IS NOT NULL ORDER BY id",
+        "--out",
+        str(csv),
+    )
+    assert (
+        q.returncode == 0
+        and csv.read_text().splitlines()[0] == "id,error"
+        and len(csv.read_text().splitlines()) == 13
+    )
+    j = run_cli(
+        "query", str(out), "SELECT count(*) FROM inputs i JOIN latest l USING (id) WHERE i.topic = l.topic"
+    )
+    assert j.returncode == 0 and "60" in j.stdout
+    bad = run_cli("query", str(out), "SELECT nope FROM latest")
+    assert bad.returncode == 2 and "query failed" in bad.stderr
+
+    exp = tmp_path / "export.parquet"
+    e = run_cli("export", str(out), str(exp))
+    assert e.returncode == 0
+    t = pq.read_table(exp)
+    assert t.column("id").to_pylist() == list(range(60)) and t.column("topic").to_pylist()[:3] == [
+        "t0",
+        "t1",
+        "t2",
+    ]
+    assert pq.read_metadata(exp).metadata[b"batchinfer.plan_id"]
+
+
+def test_export_refuses_unfinished_job_unless_partial(tmp_path):
+    write_inputs(tmp_path, files=2, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out, "--shards", "2", "--shard", "1")).returncode == 0
+    e = run_cli("export", str(out), str(tmp_path / "x.parquet"))
+    assert e.returncode == 2 and "only 10 of 20 rows are done" in e.stderr
+    e = run_cli("export", str(out), str(tmp_path / "x.parquet"), "--partial")
+    assert e.returncode == 0 and pq.read_table(tmp_path / "x.parquet").column("id").to_pylist() == list(
+        range(10, 20)
+    )
+    s = json.loads(run_cli("status", str(out), "--json").stdout)
+    assert (s["shards_done"], s["shards_pending"], s["rows_done"]) == (1, 1, 10)
+
+
+def _bad_inputs(d: Path, case: str) -> None:
+    if case == "missing column":
+        pq.write_table(pa.table({"id": [100], "text": ["x"]}), d / "z.parquet")
+    elif case == "wrong type":
+        pq.write_table(pa.table({"id": [100], "prompt": [1.5]}), d / "z.parquet")
+    elif case == "empty file":
+        (d / "z.parquet").write_bytes(b"")
+    elif case == "corrupt file":
+        (d / "z.parquet").write_bytes(b"PAR1" + b"\x00" * 100 + b"PAR1")
+    elif case == "duplicate ids":
+        pq.write_table(pa.table({"id": [5], "prompt": ["again"]}), d / "z.parquet")
+
+
+CASES = {
+    "missing column": "needs one of the columns ['prompt', 'messages']",
+    "wrong type": "column 'prompt': expected type string, found double",
+    "empty file": "empty file (0 bytes)",
+    "corrupt file": "not a readable Parquet file",
+    "duplicate ids": "id 5 appears at",
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_inputs_are_clear_errors_and_lose_nothing(tmp_path, case):
+    write_inputs(tmp_path, files=2, rows=10)
+    model_dir(tmp_path)
+    # a fresh job with the bad file: exit 2, a one-line message, no plan
+    _bad_inputs(tmp_path / "in", case)
+    r = run_cli(*echo_args(tmp_path, tmp_path / "fresh"))
+    assert r.returncode == 2 and CASES[case] in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "fresh" / "plan.json").exists()
+    # a job with committed results whose input gains the bad file: refused, every committed file intact
+    (tmp_path / "in" / "z.parquet").unlink()
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out, "--shards", "2", "--shard", "0")).returncode == 0
+    before = _digest(out)
+    _bad_inputs(tmp_path / "in", case)
+    r = run_cli(*echo_args(tmp_path, out, "--shards", "2"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert CASES[case] in r.stderr or "describes a different job" in r.stderr
+    assert _digest(out) == before and before
+
+
+def test_changed_input_refused_then_force_new_plan(tmp_path):
+    paths = write_inputs(tmp_path, files=2, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out)).returncode == 0
+    before = _digest(out)
+    t = pq.read_table(paths[0]).to_pydict()
+    t["prompt"][0] = "a different prompt now"
+    pq.write_table(pa.table(t), paths[0])
+    r = run_cli("run", "--output", str(out))
+    assert (
+        r.returncode == 2
+        and "the inputs changed since the plan was made" in r.stderr
+        and "part-0" in r.stderr
+    )
+    r = run_cli(*echo_args(tmp_path, out, "--max-tokens", "3"))
+    assert r.returncode == 2 and "describes a different job" in r.stderr and "sampling" in r.stderr
+    r = run_cli(*echo_args(tmp_path, out, "--force-new-plan"))
+    assert r.returncode == 0, r.stderr
+    old = next((out / "superseded").iterdir())
+    assert {k: v for k, v in _digest(old).items()} == before  # the old results were set aside, not lost
+    q = run_cli("query", str(out), "SELECT text FROM latest WHERE id = 0")
+    assert "now prompt different a" in q.stdout
+
+
+def test_null_prompt_is_an_error_row_not_a_dead_job(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": [None, "fine words"]}), d / "x.parquet")
+    model_dir(tmp_path)
+    r = run_cli(*echo_args(tmp_path, tmp_path / "out"))
+    assert r.returncode == 0 and "1 errors" in r.stderr
+    q = run_cli("query", str(tmp_path / "out"), "SELECT id, finish_reason, error FROM latest ORDER BY id")
+    assert "prompt is null" in q.stdout and "stop" in q.stdout
+
+
+def test_retry_errors(tmp_path):
+    write_inputs(tmp_path, files=2, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out, "--shards", "2", "--shard", "0")).returncode == 0
+    r = run_cli("retry-errors", str(out))
+    assert r.returncode == 2 and "1 shard(s) are not finished" in r.stderr
+    assert run_cli("run", "--output", str(out)).returncode == 0
+    r = run_cli("retry-errors", str(out), "--finish-reason", "error", "--progress", "none")
+    assert r.returncode == 0 and "attempt 2: retrying 4 row(s) in 2 shard(s)" in r.stderr
+    q = run_cli("query", str(out), "SELECT count(*) FILTER (attempt = 2), count(*) FROM results")
+    assert "4" in q.stdout and "24" in q.stdout
+    exp = tmp_path / "e.parquet"
+    assert run_cli("export", str(out), str(exp)).returncode == 0
+    t = pq.read_table(exp).to_pydict()
+    assert t["id"] == list(range(20)) and t["attempt"][1] == 2 and t["attempt"][2] == 1
+    s = json.loads(run_cli("status", str(out), "--json").stdout)
+    assert s["attempts"] == 2 and s["shards_done"] == 2
+
+
+def test_spec_file_and_examples(tmp_path):
+    write_inputs(tmp_path, files=1, rows=10, bad=False)
+    model_dir(tmp_path)
+    spec = tmp_path / "job.toml"
+    spec.write_text(
+        'input = "in/*.parquet"\noutput = "out"\nmodel = "model"\nengine = "' + ECHO + '"\nchunk_rows = 3\n'
+        "keep_columns = ['topic']\nseed = 7\n[sampling]\nmax_tokens = 2\ntemperature = 0.7\n"
+    )
+    r = run_cli("run", str(spec), "--progress", "none")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["chunk_rows"] == 3 and plan["seed"] == 7 and plan["sampling"]["max_tokens"] == 2
+    assert plan["sampling"]["temperature"] == 0.7 and plan["keep_columns"] == ["topic"]
+    assert run_cli("run", str(spec)).returncode == 0
+    r = run_cli("run", str(spec), "--max-tokens", "5")  # flags override the file, so this is a different job
+    assert r.returncode == 2 and "max_tokens" in r.stderr
+    spec.write_text('inptu = "x"\n')
+    r = run_cli("run", str(spec))
+    assert r.returncode == 2 and "unknown key 'inptu'" in r.stderr
+    examples = sorted((REPO / "jobs" / "examples").glob("*.toml"))
+    assert examples
+    for ex in examples:
+        parsed = load_spec(ex)
+        assert parsed["output"] and parsed["model"] and parsed["input"]
+
+
+def test_engine_and_usage_errors(tmp_path):
+    write_inputs(tmp_path, files=1, rows=10)
+    model_dir(tmp_path)
+    r = run_cli("run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "o"), "--model",
+                str(tmp_path / "model"), "--engine", "no_such_module:Engine")  # fmt: skip
+    assert r.returncode == 2 and "cannot import module 'no_such_module'" in r.stderr
+    r = run_cli("run", "--output", str(tmp_path / "new"))
+    assert r.returncode == 2 and "a new job needs --input and --model" in r.stderr
+    r = run_cli("run", *echo_args(tmp_path, tmp_path / "o2")[1:], "--shard", "9")
+    assert r.returncode == 2 and "shard 9 does not exist" in r.stderr
+    shutil.rmtree(tmp_path / "model")
+    r = run_cli(*echo_args(tmp_path, tmp_path / "o3"))
+    assert r.returncode == 2 and "no config.json found" in r.stderr
+
+
+def test_plan_only_writes_the_plan_and_no_results(tmp_path):
+    write_inputs(tmp_path, files=2, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    r = run_cli(*echo_args(tmp_path, out, "--shards", "3", "--plan-only"))
+    assert r.returncode == 0 and "20 rows in 3 shards, 2 input files" in r.stderr
+    assert (out / "plan.json").exists() and not (out / "shards").exists()
+    s = json.loads(run_cli("status", str(out), "--json").stdout)
+    assert (s["rows_done"], s["shards_pending"], s["finish_reasons"]) == (0, 3, {})
+    assert run_cli("run", "--output", str(out), "--progress", "none").returncode == 0
+    assert json.loads(run_cli("status", str(out), "--json").stdout)["rows_done"] == 20
