@@ -227,7 +227,7 @@ def submit(job_dir: Path, script: Path, groups: list[ArrayGroup], opts: SlurmOpt
                 "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             },
         )
-        log.info("submitted array job %s: shards %s", job_id, compress(group.shards))
+        log.debug("submitted array job %s: shards %s", job_id, compress(group.shards))
     return ids
 
 
