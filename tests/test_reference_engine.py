@@ -138,7 +138,10 @@ def test_bad_rows_are_results(engine):
 
 
 def test_max_model_len_boundary(ckpt):
-    eng = load_engine(ckpt, device="cpu", max_model_len=32)
+    eng = load_engine(
+        ckpt, device="cpu", max_model_len="32", max_batch_size="1"
+    )  # as --engine-arg gives them
+    assert (eng.max_model_len, eng.max_batch_size) == (32, 1)
     n = len(eng.tokenizer.encode(PROMPTS[3]))
     over = SamplingParams(max_tokens=33 - n, ignore_eos=True)
     fits = SamplingParams(max_tokens=32 - n, ignore_eos=True)
@@ -210,6 +213,10 @@ def test_quantized_checkpoints_describe(tmp_path):
 def test_load_errors(ckpt):
     with pytest.raises(ConfigError, match="dtype 'float8' is not supported"):
         load_engine(ckpt, device="cpu", dtype="float8")
+    with pytest.raises(ConfigError, match="engine argument max_batch_size='many' is not an integer"):
+        load_engine(ckpt, device="cpu", max_batch_size="many")
+    with pytest.raises(ConfigError, match="engine argument max_batch_size=0 must be >= 1"):
+        load_engine(ckpt, device="cpu", max_batch_size=0)
     with pytest.raises(ConfigError, match="device 'tpu' is not a device"):
         load_engine(ckpt, device="tpu")
 

@@ -50,19 +50,31 @@ def describe_quantization(weights: dict[str, object], raw_config: dict[str, obje
     return _STORED.get(str(stored), "bf16")
 
 
+def _as_int(name: str, value: int | str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"engine argument {name}={value!r} is not an integer") from None
+
+
 def load_engine(
     model_path: str | Path,
     device: str = "auto",
     dtype: str | torch.dtype | None = None,
-    max_model_len: int | None = None,
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    max_model_len: int | str | None = None,
+    max_batch_size: int | str = DEFAULT_MAX_BATCH_SIZE,
 ) -> ReferenceEngine:
     """Load a checkpoint folder onto `device` and wrap it in the reference engine.
 
     `dtype`: activation and dense-weight dtype; default float32 on CPU (bit-stable yardstick) and
     bfloat16 on GPU. `max_model_len` lowers the context limit below `max_position_embeddings`.
+    The job layer passes its `--engine-arg KEY=VALUE` strings straight in, so numbers may be strings.
     """
     path = Path(model_path)
+    max_model_len = None if max_model_len in (None, "") else _as_int("max_model_len", max_model_len)
+    max_batch_size = _as_int("max_batch_size", max_batch_size)
+    if max_batch_size < 1:
+        raise ConfigError(f"engine argument max_batch_size={max_batch_size} must be >= 1")
     dev = resolve_device(device)
     if dtype is None:
         torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
