@@ -28,8 +28,14 @@ TEXTS = [
     "<think>reasoning</think> answer",
     "",
 ]
-# A ChatML template in the style of Qwen's: default system prompt, role check, tojson, loop variables.
+# A ChatML template in the style of Qwen's: default system prompt, role check, tojson, a namespace set
+# in a reversed loop with `break` (loopcontrols), whitespace control under trim_blocks/lstrip_blocks.
 CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}\n"
+    "{%- for message in messages[::-1] %}\n"
+    "    {%- if message.role == 'user' and message.content is string %}"
+    "{% set ns.last_user = messages|length - 1 - loop.index0 %}{% break %}{% endif %}\n"
+    "{%- endfor %}\n"
     "{%- if messages[0].role != 'system' %}"
     "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
     "{%- for message in messages %}\n"
@@ -37,6 +43,7 @@ CHAT_TEMPLATE = (
     "{{ raise_exception('Unknown role: ' + message.role) }}{% endif %}\n"
     "  {{- '<|im_start|>' + message.role + '\\n' + message.content | trim }}"
     "{% if message.meta is defined %} {{ message.meta | tojson }}{% endif %}"
+    "{% if loop.index0 == ns.last_user %} (last){% endif %}"
     "{{ '<|im_end|>' + '\\n' }}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}"
@@ -145,7 +152,7 @@ def test_chat_template_parity_with_transformers(tok, hf_tok):
     rendered = tok.apply_chat_template(CHATS[2])
     assert rendered.endswith(
         '<|im_start|>assistant\n4 {"ok": "ünï <&>"}<|im_end|>\n'
-        "<|im_start|>user\nand 3+3?<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>user\nand 3+3? (last)<|im_end|>\n<|im_start|>assistant\n"
     )
     assert rendered.startswith("<|im_start|>system\nYou are helpful.<|im_end|>\n")
 
