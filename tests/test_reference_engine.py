@@ -261,3 +261,19 @@ def test_cli_generate_errors(ckpt, tmp_path):
     result = runner.invoke(cli, ["generate", "--model", str(ckpt), "--messages-json", str(bad)])
     assert result.exit_code != 0
     assert "expected one chat" in str(result.exception)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_matches_cpu(ckpt, engine):
+    """On CUDA the default is bf16; in fp32 the GPU engine reproduces the CPU engine's greedy tokens."""
+    requests = [
+        TextRequest(i, prompt=p, sampling=SamplingParams(max_tokens=16)) for i, p in enumerate(PROMPTS)
+    ]
+    cpu = run(engine, requests)
+    bf16 = load_engine(ckpt, device="cuda")
+    assert (bf16.describe()["device"], bf16.describe()["dtype"]) == ("cuda:0", "bfloat16")
+    assert all(
+        r.finish_reason in ("length", "stop") and r.output_tokens for r in run(bf16, requests).values()
+    )
+    gpu = run(load_engine(ckpt, device="cuda", dtype="float32"), requests)
+    assert {i: r.token_ids for i, r in gpu.items()} == {i: r.token_ids for i, r in cpu.items()}
