@@ -147,12 +147,8 @@ def max_array_size() -> int:
 
 
 def sbatch_argv(script: Path, group: ArrayGroup, opts: SlurmOptions, after: str | None = None) -> list[str]:
-    argv = [
-        "sbatch",
-        "--parsable",
-        f"--array={group.spec(opts.max_running)}",
-        f"--export=ALL,{OFFSET_VAR}={group.offset}",
-    ]
+    """The sbatch call for one group, as a human would type it (`submit` adds --parsable)."""
+    argv = ["sbatch", f"--array={group.spec(opts.max_running)}", f"--export=ALL,{OFFSET_VAR}={group.offset}"]
     if after:
         argv.append(f"--dependency=afterany:{after}")
     return argv + [str(script)]
@@ -207,6 +203,7 @@ def submit(job_dir: Path, script: Path, groups: list[ArrayGroup], opts: SlurmOpt
     for group in groups:
         after = ids[-1] if ids and opts.max_running else None
         argv = sbatch_argv(script, group, opts, after)
+        argv.insert(1, "--parsable")  # prints just the job id
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         except FileNotFoundError:

@@ -135,7 +135,7 @@ def test_cli_writes_a_valid_script_and_prints_commands(tmp_path, fake_slurm):
     assert result.exit_code == 0, result.output
     script = plan.job_dir / "slurm" / "batchinfer.sbatch"
     assert f"wrote {script} for 4 of 4 shards (0-3)" in result.output
-    assert f"sbatch --parsable --array=0-3%2 --export=ALL,BATCHINFER_SHARD_OFFSET=0 {script}" in result.output
+    assert f"sbatch --array=0-3%2 --export=ALL,BATCHINFER_SHARD_OFFSET=0 {script}" in result.output
     header = _header(script)
     for line in (
         "--requeue",

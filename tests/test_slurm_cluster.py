@@ -120,3 +120,35 @@ def test_usr2_before_time_limit_requeues_and_finishes_exactly_once(tmp_path, clu
     assert attempts.incomplete_shards(plan) == [], logs
     ids = _output_ids(plan.job_dir)
     assert sorted(ids) == list(range(40)), logs  # every row exactly once
+
+
+@pytest.mark.slow
+def test_time_limit_signal_from_slurm_itself_requeues_until_done(tmp_path, cluster):
+    # --time=1 with USR2 55 s before the limit: Slurm itself signals the batch shell (it checks limits
+    # every ~30 s, so the signal comes 5..35 s after the start) while 100 rows x 0.5 s are in flight.
+    plan = make_job(tmp_path, rows=100, shards=1, chunk_rows=4, engine_args={"delay": "0.5"})
+    args = [
+        "slurm",
+        str(plan.job_dir),
+        "--submit",
+        "--gpus-per-task",
+        "0",
+        "--time",
+        "1",
+        "--signal-seconds",
+        "55",
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    (job_id,) = [s["job_id"] for s in slurm.submissions(plan.job_dir)]
+
+    def release(listed: list[str]) -> None:
+        if any("BeginTime" in line for line in listed):
+            subprocess.run(["scontrol", "update", f"JobId={job_id}_0", "StartTime=now"], check=True)
+
+    _wait_until_gone([job_id], timeout=300, on_poll=release)
+    logs = _slurm_logs(plan.job_dir)
+    assert "USR2 received" in logs and "requeueing shard 0" in logs, logs
+    assert "DUE TO TIME LIMIT" not in logs, logs  # stopped and requeued before Slurm had to kill it
+    assert attempts.incomplete_shards(plan) == [], logs
+    assert sorted(_output_ids(plan.job_dir)) == list(range(100)), logs
