@@ -277,3 +277,16 @@ def test_gpu_engine_matches_cpu(ckpt, engine):
     )
     gpu = run(load_engine(ckpt, device="cuda", dtype="float32"), requests)
     assert {i: r.token_ids for i, r in gpu.items()} == {i: r.token_ids for i, r in cpu.items()}
+
+
+def test_cli_generate_chats_from_stdin(ckpt, engine):
+    ref = run(engine, [TextRequest(0, messages=CHAT, sampling=SamplingParams(max_tokens=4))])[0]
+    args = ["generate", "--model", str(ckpt), "--messages-json", "-", "--max-tokens", "4", "--device", "cpu"]
+    result = CliRunner().invoke(cli, args, input=json.dumps([CHAT, CHAT]))
+    assert result.exit_code == 0, result.output
+    header = (
+        f"{ref.finish_reason}: {ref.prompt_tokens} prompt + {ref.output_tokens} output tokens\n{ref.text}\n"
+    )
+    assert result.stdout == f"=== [0] {header}=== [1] {header}"
+    result = CliRunner().invoke(cli, args, input="[]")
+    assert result.exit_code != 0 and "stdin: expected one chat" in str(result.exception)

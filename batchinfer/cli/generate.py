@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import click
@@ -13,7 +12,8 @@ from batchinfer.errors import InputError
 
 def _read_chats(file: str) -> list[list[dict[str, Any]]]:
     """One chat (a list of messages) or a list of chats, from a JSON file or `-` for stdin."""
-    text = click.get_text_stream("stdin").read() if file == "-" else Path(file).read_text()
+    with click.open_file(file, encoding="utf-8") as f:  # "-" is stdin
+        text = f.read()
     name = "stdin" if file == "-" else file
     try:
         data = json.loads(text)
