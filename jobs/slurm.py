@@ -90,9 +90,14 @@ class SlurmOptions:
         path = job_dir / SLURM_DIR / OPTIONS_FILE
         if not path.exists():
             return cls()
-        doc = json.loads(path.read_text())
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in known})
+        try:
+            doc = json.loads(path.read_text())
+            known = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in doc.items() if k in known})
+        except (json.JSONDecodeError, AttributeError, TypeError) as e:
+            raise InputError(
+                f"{path}: not valid saved Slurm options ({e}); delete it and pass the options again"
+            )
 
 
 @dataclass(slots=True)

@@ -311,3 +311,10 @@ def test_script_passes_a_worker_failure_on_without_requeue(tmp_path, fake_slurm)
     assert proc.returncode == 1, out  # the task fails, so `--retry` picks the shard up again
     assert "echo engine crashed" in out
     assert requeues(fake_slurm[0]) == []
+
+
+def test_corrupt_saved_options_name_the_file(tmp_path):
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "options.json").write_text("{not json")
+    with pytest.raises(InputError, match=r"slurm/options.json: not valid saved Slurm options"):
+        slurm.SlurmOptions.load(tmp_path)
