@@ -97,7 +97,7 @@ class SlurmOptions:
         except (json.JSONDecodeError, AttributeError, TypeError) as e:
             raise InputError(
                 f"{path}: not valid saved Slurm options ({e}); delete it and pass the options again"
-            )
+            ) from None
 
 
 @dataclass(slots=True)
