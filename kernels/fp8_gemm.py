@@ -8,7 +8,8 @@ accumulation order and the bf16 output rounding differ.
 Why W8A16 and not W8A8 on the FP8 tensor cores: decode (M <= 64) is bandwidth-bound, where both read
 the same weight bytes and W8A16 skips quantizing activations and keeps bf16 accuracy; the benchmark
 measures cuBLAS W8A8 (`torch._scaled_mm`) beside it for the prefill sizes.
-Small M splits K across CTAs exactly like `nvfp4_gemm` (same counters and workspace scheme). sm_90.
+Small M splits K across CTAs exactly like `nvfp4_gemm` (same counters and workspace scheme); above
+FUSED_MAX_M rows W is dequantized to bf16 in one pass and cuBLAS runs the GEMM. sm_90.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.nvfp4 import FP8Weight
 from batchinfer.kernels.nvfp4_gemm import (
+    FUSED_MAX_M,
     GemmConfig,
     check_gemm_out,
     choose_split_k,
+    dequant_matmul,
     interpreting,
     num_sms,
     split_k_locks,
@@ -38,6 +41,19 @@ def _fp8_gemm_configs(m: int) -> GemmConfig:
     if m <= 256:
         return GemmConfig(64, 128, 128, 1, 8, 3)
     return GemmConfig(128, 128, 64, 1, 8, 3)
+
+
+@triton.jit
+def _fp8_dequant_kernel(
+    w_ptr, scale_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    b = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0).to(tl.int32)
+    w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    w = w * (tl.load(scale_ptr) * 256.0)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -100,12 +116,25 @@ def _fp8_gemm_kernel(
             tl.atomic_xchg(lock_ptr + pid, 0)
 
 
+def fp8_dequantize(w: FP8Weight, row_start: int = 0, row_end: int | None = None) -> torch.Tensor:
+    """Rows `[row_start, row_end)` of W as bf16 `[rows, K]` (E4M3 * scale in fp32, rounded once)."""
+    n, k = w.shape
+    row_end = n if row_end is None else row_end
+    out = torch.empty((row_end - row_start, k), dtype=torch.bfloat16, device=w.device)
+    block_n, block_k = (16, 32) if interpreting() else (32, 256)
+    grid = (triton.cdiv(row_end - row_start, block_n), triton.cdiv(k, block_k))
+    _fp8_dequant_kernel[grid](w.data.view(torch.uint8)[row_start:], w.scale, out, row_end - row_start, k,
+                              w.data.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
 def fp8_gemm(
     x: torch.Tensor, w: FP8Weight, out: torch.Tensor | None = None, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """`x [..., K]` bf16 times FP8 `W [N, K]` transposed -> `[..., N]` bf16 (fp32 accumulation).
 
-    `out` and `config` as in `nvfp4_gemm`.
+    Above FUSED_MAX_M rows: bf16 dequantization in one pass, then cuBLAS. `out` and `config` as in
+    `nvfp4_gemm`.
     """
     n, k = w.shape
     if x.shape[-1] != k:
@@ -122,6 +151,9 @@ def fp8_gemm(
     m = x2.shape[0]
     out = check_gemm_out(out, m, n, x.device)
     if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    if config is None and m > FUSED_MAX_M:
+        dequant_matmul(x2, lambda r0, r1: fp8_dequantize(w, r0, r1), n, out)
         return out.reshape(*x.shape[:-1], n)
     cfg = config or _fp8_gemm_configs(m)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

@@ -172,15 +172,19 @@ def _load_w_tile(w_ptr, s_ptr, rows, offs_kb, offs_ks, offs_k, mask_k, mask_kb, 
     if NVFP4:
         b = tl.load(w_ptr + rows[:, None] * stride_wn + offs_kb[None, :], mask=mask_kb, other=0)
         s = tl.load(s_ptr + rows[:, None] * stride_sn + offs_ks[None, :], mask=mask_ks, other=0)
-        return _decode_nvfp4_tile(b, s, BLOCK_N, BLOCK_K)
-    return tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=mask_k, other=0.0)
+        w = _decode_nvfp4_tile(b, s, BLOCK_N, BLOCK_K)
+    else:
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=mask_k, other=0.0)
+    return w
 
 
 @triton.jit
 def _dot(a, b, acc, INTERPRET: tl.constexpr):
     if INTERPRET:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw bits
-        return tl.dot(a.to(tl.float32), tl.trans(b).to(tl.float32), acc)
-    return tl.dot(a, tl.trans(b), acc)
+        acc = tl.dot(a.to(tl.float32), tl.trans(b).to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
 
 
 @triton.jit

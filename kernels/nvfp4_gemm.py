@@ -11,19 +11,27 @@ scale are applied once to the accumulator. Against `nvfp4_gemm_ref` (fp32 on the
 and the same bf16 x) the only errors are fp32 accumulation order and the bf16 rounding of the output.
 Small M is bandwidth-bound, so it splits K across CTAs (SPLIT_K > 1): partials go to an fp32
 workspace and the last CTA of each tile (counted with an atomic) sums them and writes bf16, all in one
-launch. Assumes sm_90 (or the Triton interpreter); one CUDA stream per device at a time uses the
-split-K counters.
+launch. Above FUSED_MAX_M rows the decode would be repeated per M tile, so W is instead dequantized to
+bf16 once (`nvfp4_dequantize`, same decode, fp32 scale product rounded once to bf16) and cuBLAS runs
+the GEMM; huge weights (lm_head) go in row slices of at most 128 MiB.
+Assumes sm_90 (or the Triton interpreter); one CUDA stream per device at a time uses the split-K
+counters.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from batchinfer.kernels.nvfp4 import NVFP4Weight
+
+# Rows above which dequantize + cuBLAS beats the fused kernel (H200, bench/tune_kernels.py).
+FUSED_MAX_M = 16
+DEQUANT_CHUNK_ELEMS = 2**26  # bf16 weight slice of at most 128 MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +44,7 @@ class GemmConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    even_odd: bool = False  # multiply even and odd K columns separately instead of interleaving
 
 
 def interpreting() -> bool:
@@ -71,12 +80,46 @@ def _decode_nvfp4_tile(b, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _dot_nt(a, b, acc, F32_DOT: tl.constexpr):
+    """acc + a @ b^T; F32_DOT because the Triton 3.9 interpreter multiplies bf16 operands as raw bits."""
+    if F32_DOT:
+        acc = tl.dot(a.to(tl.float32), tl.trans(b).to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
+def _nvfp4_dequant_kernel(
+    w_ptr, s_ptr, ts_ptr, out_ptr,  #
+    N, KB,  #
+    stride_wn, stride_sn, stride_on,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,  #
+):
+    """W tile [BLOCK_N, BLOCK_G * 16] -> bf16, stored as uint32 pairs (element 2j in the low half)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    byte = groups[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, G, 8]: 8 bytes per scale
+    mask = (rows < N)[:, None, None] & (byte < KB)
+    b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask, other=0).to(tl.int32)
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :],
+                mask=(rows < N)[:, None] & (groups < KB // 8)[None, :], other=0).to(tl.int32)
+    sf = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sf = (sf * (tl.load(ts_ptr) * 4194304.0))[:, :, None]  # block scale * tensor scale * 2^22, [N, G, 1]
+    lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo_bits = (lo * sf).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    hi_bits = (hi * sf).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    tl.store(out_ptr + rows[:, None, None] * stride_on + byte, lo_bits | (hi_bits << 16), mask=mask)
+
+
+@triton.jit
 def _nvfp4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, lock_ptr,  #
     M, N, K,  #
     stride_xm, stride_wn, stride_sn, stride_om,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  #
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,  #
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_ODD: tl.constexpr, F32_DOT: tl.constexpr,  #
 ):
     tl.static_assert(BLOCK_K % 32 == 0)
     pid = tl.program_id(0)
@@ -106,14 +149,26 @@ def _nvfp4_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         kk = k - k_start
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] + kk < k_end), other=0.0)
         b = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_kb[None, :] * 2 + kk < k_end), other=0)
-        s = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_ks[None, :] * 16 + kk < k_end), other=0)
-        w = _decode_nvfp4_tile(b, s, BLOCK_N, BLOCK_K)
-        if F32_DOT:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw bits
-            acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc)
+        if EVEN_ODD:  # x[:, 0::2] @ W_lo^T + x[:, 1::2] @ W_hi^T: no interleave, scales gathered per byte
+            xe_ptrs = x_ptr + offs_m[:, None] * stride_xm + (offs_kb * 2 + kk)[None, :]
+            mask_x = mask_m[:, None] & (offs_kb[None, :] * 2 + kk < k_end)
+            xe = tl.load(xe_ptrs, mask=mask_x, other=0.0)
+            xo = tl.load(xe_ptrs + 1, mask=mask_x, other=0.0)
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + ((offs_kb + kk // 2) // 8)[None, :],
+                        mask=mask_n[:, None] & (offs_kb[None, :] * 2 + kk < k_end), other=0).to(tl.int32)
+            sf = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+            b = b.to(tl.int32)
+            lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
+            w_lo = (lo.to(tl.float32) * sf.to(tl.float32)).to(tl.bfloat16)
+            w_hi = (hi.to(tl.float32) * sf.to(tl.float32)).to(tl.bfloat16)
+            acc = _dot_nt(xe, w_lo, acc, F32_DOT)
+            acc = _dot_nt(xo, w_hi, acc, F32_DOT)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] + kk < k_end), other=0.0)
+            s = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_ks[None, :] * 16 + kk < k_end), other=0)
+            acc = _dot_nt(x, _decode_nvfp4_tile(b, s, BLOCK_N, BLOCK_K), acc, F32_DOT)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 16
@@ -175,13 +230,45 @@ def check_gemm_out(out: torch.Tensor | None, m: int, n: int, device: torch.devic
     return out
 
 
+def nvfp4_dequantize(w: NVFP4Weight, row_start: int = 0, row_end: int | None = None) -> torch.Tensor:
+    """Rows `[row_start, row_end)` of W as bf16 `[rows, K]` (fp32 scale product, one rounding), one pass."""
+    n, k = w.shape
+    row_end = n if row_end is None else row_end
+    out = torch.empty((row_end - row_start, k), dtype=torch.bfloat16, device=w.device)
+    block_n, block_g = (16, 16) if interpreting() else (32, 32)
+    grid = (triton.cdiv(row_end - row_start, block_n), triton.cdiv(k // 16, block_g))
+    _nvfp4_dequant_kernel[grid](
+        w.packed[row_start:], w.block_scale.view(torch.uint8)[row_start:], w.tensor_scale,  #
+        out.view(torch.int32),  #
+        row_end - row_start, k // 2,  #
+        w.packed.stride(0), w.block_scale.stride(0), k // 2,  #
+        BLOCK_N=block_n, BLOCK_G=block_g, num_warps=4,  #
+    )
+    return out
+
+
+def dequant_matmul(
+    x: torch.Tensor, dequant: Callable[[int, int], torch.Tensor], n: int, out: torch.Tensor
+) -> None:
+    """out = x @ W^T via bf16 row slices of W from `dequant(r0, r1)` and cuBLAS; slices stay <= 128 MiB."""
+    rows = max(1, DEQUANT_CHUNK_ELEMS // x.shape[1])
+    if rows >= n:
+        torch.mm(x, dequant(0, n).t(), out=out)
+        return
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        out[:, r0:r1].copy_(x @ dequant(r0, r1).t())
+
+
 def nvfp4_gemm(
     x: torch.Tensor, w: NVFP4Weight, out: torch.Tensor | None = None, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """`x [..., K]` bf16 times NVFP4 `W [N, K]` transposed -> `[..., N]` bf16 (fp32 accumulation).
 
+    Up to FUSED_MAX_M rows the fused kernel decodes W in registers; above, W is dequantized to bf16
+    in one pass and cuBLAS multiplies (the decode then costs little next to the GEMM).
     `out` (bf16 `[M, N]` with unit column stride, M = x rows) receives the result in place, e.g. a
-    static buffer under CUDA graphs; `config` overrides the tuned table (used by the tuner).
+    static buffer under CUDA graphs; `config` forces the fused kernel with that configuration (tuner).
     """
     n, k = w.shape
     if x.shape[-1] != k:
@@ -199,6 +286,9 @@ def nvfp4_gemm(
     out = check_gemm_out(out, m, n, x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
+    if config is None and m > FUSED_MAX_M:
+        dequant_matmul(x2, lambda r0, r1: nvfp4_dequantize(w, r0, r1), n, out)
+        return out.reshape(*x.shape[:-1], n)
     cfg = config or _nvfp4_gemm_configs(m)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k or choose_split_k(tiles, k, cfg.block_k, num_sms(x.device))
@@ -209,7 +299,7 @@ def nvfp4_gemm(
         m, n, k,  #
         x2.stride(0), w.packed.stride(0), w.block_scale.stride(0), out.stride(0),  #
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, GROUP_M=8,  #
-        F32_DOT=interpreting(),  #
+        EVEN_ODD=cfg.even_odd, F32_DOT=interpreting(),  #
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,  #
     )
     return out.reshape(*x.shape[:-1], n)

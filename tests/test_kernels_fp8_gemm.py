@@ -2,18 +2,19 @@
 
 import pytest
 import torch
-from batchinfer.kernels.fp8_gemm import GemmConfig, choose_split_k, fp8_gemm, fp8_gemm_ref
+from batchinfer.kernels.fp8_gemm import fp8_dequantize, fp8_gemm, fp8_gemm_ref
 from batchinfer.kernels.nvfp4 import quantize_fp8
+from batchinfer.kernels.nvfp4_gemm import FUSED_MAX_M, GemmConfig, choose_split_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> None:
+def _check(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2, exact_weights: bool = True) -> None:
     assert not torch.isnan(out).any(), "NaN in output (unwritten poisoned element?)"
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err <= tol, f"relative error {err:.2e} > {tol}"
-    # Element-wise: only the bf16 rounding of the output (the interpreter truncates: 2^-7).
-    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3 * ref.abs().max())
+    if exact_weights:  # fused decode is exact: only the output's bf16 rounding (interpreter truncates: 2^-7)
+        assert torch.all((out.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3 * ref.abs().max())
 
 
 def _case(m: int, n: int, k: int, seed: int):
@@ -25,14 +26,25 @@ def _case(m: int, n: int, k: int, seed: int):
 
 @pytest.mark.parametrize(
     ("m", "n", "k", "split"),
-    [(1, 32, 64, 1), (5, 40, 96, 1), (17, 33, 48, 2), (3, 64, 128, 4), (20, 16, 64, 0)],
+    [(1, 32, 64, 1), (5, 40, 96, 1), (16, 33, 48, 2), (3, 64, 128, 4), (2, 16, 64, 0)],
 )
-def test_matches_reference_small(m, n, k, split):
+def test_fused_matches_reference_small(m, n, k, split):
     x, w = _case(m, n, k, seed=m * 1000 + n + k)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     res = fp8_gemm(x, w, out=out, config=GemmConfig(16, 16, 32, split, 4, 1))
     assert res.data_ptr() == out.data_ptr()
     _check(out, fp8_gemm_ref(x, w))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(17, 40, 96), (33, 70, 64)])
+def test_dequant_path_matches_reference(m, n, k):
+    x, w = _case(m, n, k, seed=m + n)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    assert m > FUSED_MAX_M
+    fp8_gemm(x, w, out=out)  # dequantize (bf16 weights: one more rounding) + matmul
+    _check(out, fp8_gemm_ref(x, w), exact_weights=False)
+    ref = w.dequantize(torch.bfloat16).float()
+    torch.testing.assert_close(fp8_dequantize(w, 8, 30).float(), ref[8:30], rtol=2**-7, atol=0)
 
 
 def test_split_k_counters_reset_between_calls():
@@ -72,14 +84,14 @@ def test_split_k_choice_covers_sms_and_keeps_k_blocks():
 
 
 # Real shapes of both models (N, K): q_proj / in_proj_qkv, o_proj / out_proj, experts, lm_head slice.
-GPU_SHAPES = [(8192, 2048), (2048, 4096), (512, 2048), (2048, 512), (768, 2048), (2048, 768), (16384, 2048)]
+GPU_SHAPES = [(8192, 2048), (2048, 4096), (512, 2048), (2048, 768), (16384, 2048)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16, 100, 512, 2048])
+@pytest.mark.parametrize("m", [1, 16, 100, 2048])
 @pytest.mark.parametrize(("n", "k"), GPU_SHAPES)
 def test_matches_reference_real_shapes(m, n, k):
     x, w = _case(m, n, k, seed=m + n + k)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     fp8_gemm(x, w, out=out)
-    _check(out, fp8_gemm_ref(x, w), tol=5e-3)
+    _check(out, fp8_gemm_ref(x, w), tol=5e-3, exact_weights=m <= FUSED_MAX_M)

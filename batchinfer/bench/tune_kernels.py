@@ -24,13 +24,13 @@ from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4
 log = logging.getLogger(__name__)
 
 SHAPES = [(8192, 2048), (2048, 4096), (512, 2048), (2048, 512), (16384, 2048)]
-MS = [1, 16, 32, 64, 128, 512, 4096]
+MS = [1, 16]  # above FUSED_MAX_M the launchers dequantize and call cuBLAS
 
 
 def candidates(m: int) -> list[GemmConfig]:
     if m <= 16:
         tiles = [(16, 32, 256), (16, 64, 256), (16, 64, 128), (16, 128, 128), (16, 32, 512)]
-        return [GemmConfig(*t, 0, 4, s) for t in tiles for s in (3, 5)]
+        return [GemmConfig(*t, 0, 4, s, eo) for t in tiles for s in (3, 5) for eo in (False, True)]
     if m <= 64:
         tiles = [(32, 64, 128), (64, 64, 128), (32, 128, 128), (64, 128, 128), (64, 64, 256), (32, 64, 256)]
         return [GemmConfig(*t, 0, 4, 4) for t in tiles]
@@ -63,13 +63,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="nvfp4,fp8")
+    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dev = torch.device("cuda")
     results = []
     for kind in args.kinds.split(","):
         gemm, table = (nvfp4_gemm, _nvfp4_gemm_configs) if kind == "nvfp4" else (fp8_gemm, _fp8_gemm_configs)
-        for n, k in SHAPES:
+        for n, k in SHAPES[: args.shapes]:
             wbytes = n * k // 2 + n * k // 16 if kind == "nvfp4" else n * k
             ws = _weights(kind, n, k, rotating_sets(wbytes), dev)
             wb = [w.dequantize(torch.bfloat16) for w in ws]

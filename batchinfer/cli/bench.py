@@ -39,9 +39,8 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     for row in run_cases(cases, torch.device("cuda")):
         rows.append(row)
         if row["op"] != "ceilings":
-            click.echo(f"{row['op']} {row['model']} {row['shape']} M={row['m']}: {row['us']:.1f} us",
-                       err=True)
+            click.echo(format_table([row]).splitlines()[-1], err=True)
+        if json_out:  # rewritten after every case, so an interrupted run keeps what it measured
+            with open(json_out, "w") as f:
+                json.dump({"environment": env, "rows": rows}, f, indent=1)
     click.echo(format_table(rows))
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump({"environment": env, "rows": rows}, f, indent=1)
