@@ -187,23 +187,29 @@ def run_cases(cases: Sequence[KernelCase], device: torch.device) -> Iterator[dic
              ceilings["copy_bytes_per_s"] / 1e12, ceilings["bf16_flops_per_s"] / 1e12)
     yield {"op": "ceilings", **ceilings}
     for case in cases:
-        timed = case.build(device)
-        sec = time_per_call(timed.run, timed.n_sets, budget_s=0.1)
-        row: dict[str, Any] = {
-            "op": case.op, "model": case.model, "shape": case.shape, "m": case.m, "us": sec * 1e6,
-            "tb_s": timed.bytes / sec / 1e12, "tflop_s": timed.flops / sec / 1e12,
-            "bw_frac": timed.bytes / sec / ceilings["copy_bytes_per_s"],
-            "flop_frac": timed.flops / sec / ceilings["bf16_flops_per_s"],
-            "baselines_us": {
-                k: time_per_call(f, timed.n_sets, budget_s=0.05, graph=k not in timed.eager) * 1e6
-                for k, f in timed.baselines.items()
-            },
-            "target": None if case.target is None else f"{case.target.metric}>={case.target.fraction:.0%}",
-        }
-        row["target_met"] = _target_met(case, row, ceilings)
-        del timed
+        try:
+            yield _run_case(case, device, ceilings)
+        except Exception as e:  # one broken case (e.g. a baseline this torch lacks) must not end the run
+            log.error("%s %s %s M=%d failed: %s", case.op, case.model, case.shape, case.m, e)
         torch.cuda.empty_cache()
-        yield row
+
+
+def _run_case(case: KernelCase, device: torch.device, ceilings: dict[str, float]) -> dict[str, Any]:
+    timed = case.build(device)
+    sec = time_per_call(timed.run, timed.n_sets, budget_s=0.1)
+    row: dict[str, Any] = {
+        "op": case.op, "model": case.model, "shape": case.shape, "m": case.m, "us": sec * 1e6,
+        "tb_s": timed.bytes / sec / 1e12, "tflop_s": timed.flops / sec / 1e12,
+        "bw_frac": timed.bytes / sec / ceilings["copy_bytes_per_s"],
+        "flop_frac": timed.flops / sec / ceilings["bf16_flops_per_s"],
+        "baselines_us": {
+            k: time_per_call(f, timed.n_sets, budget_s=0.05, graph=k not in timed.eager) * 1e6
+            for k, f in timed.baselines.items()
+        },
+        "target": None if case.target is None else f"{case.target.metric}>={case.target.fraction:.0%}",
+    }
+    row["target_met"] = _target_met(case, row, ceilings)
+    return row
 
 
 def environment() -> dict[str, str]:
