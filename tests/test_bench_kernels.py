@@ -1,0 +1,74 @@
+"""The kernel benchmark harness on CPU: case registry, shapes, targets, table (timing needs a GPU)."""
+
+import pytest
+
+from batchinfer.bench.kernel_cases_gemm import linear_shapes
+from batchinfer.bench.kernels import (
+    L2_BYTES,
+    KernelCase,
+    Target,
+    _target_met,
+    bench_models,
+    collect_cases,
+    format_table,
+    rotating_sets,
+)
+
+CEILINGS = {"op": "ceilings", "copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 800e12}
+
+
+def test_rotating_sets_exceed_twice_l2():
+    assert rotating_sets(1) == 256  # capped
+    assert rotating_sets(10 * L2_BYTES) == 2
+    n = rotating_sets(7 * 2**20)
+    assert n * 7 * 2**20 >= 2 * L2_BYTES and (n - 1) * 7 * 2**20 < 2 * L2_BYTES
+
+
+def test_model_shapes_match_the_published_configs():
+    models = bench_models()
+    q36 = dict((name, (n, k)) for name, n, k in linear_shapes(models["qwen3.6"]))
+    assert q36["q_proj"] == (8192, 2048) and q36["o_proj"] == (2048, 4096)
+    assert q36["in_proj_z"] == (4096, 2048) and q36["lm_head"] == (248320, 2048)
+    assert "in_proj_qkv" not in q36  # same shape as q_proj, timed once
+    q30 = dict((name, (n, k)) for name, n, k in linear_shapes(models["qwen3-30b"]))
+    assert q30["q_proj"] == (4096, 2048) and q30["expert_gate_up"] == (768, 2048)
+    assert q30["lm_head"] == (151936, 2048) and "in_proj_z" not in q30
+
+
+def test_collect_cases_covers_ops_models_and_m():
+    cases = collect_cases(["qwen3.6", "qwen3-30b"], ms=(1, 4096))
+    ops = ("nvfp4_gemm", "fp8_gemm", "fused_moe")
+    ours = {(c.op, c.model) for c in cases if c.op in ops}
+    assert ours == {(op, m) for op in ops for m in ("qwen3.6", "qwen3-30b")}
+    moe = [c for c in cases if c.op == "fused_moe" and c.model == "qwen3.6"]
+    assert [c.m for c in moe] == [1, 4096]
+    assert moe[0].target == Target("bandwidth", 0.60) and moe[1].target is None
+    lin = {c.m: c.target for c in cases if c.op == "nvfp4_gemm" and c.shape.startswith("q_proj")}
+    assert lin[1] == Target("bandwidth", 0.70) and lin[4096] == Target("baseline:cublas_bf16", 0.70)
+
+
+@pytest.mark.parametrize(
+    ("target", "row", "met"),
+    [
+        (Target("bandwidth", 0.7), {"tb_s": 2.9}, True),
+        (Target("bandwidth", 0.7), {"tb_s": 2.7}, False),
+        (Target("flops", 0.5), {"tflop_s": 390.0}, False),
+        (Target("baseline:cublas_bf16", 0.7), {"us": 140.0, "baselines_us": {"cublas_bf16": 100.0}}, True),
+        (Target("baseline:cublas_bf16", 0.7), {"us": 150.0, "baselines_us": {"cublas_bf16": 100.0}}, False),
+    ],
+)
+def test_target_evaluation(target, row, met):
+    case = KernelCase("op", "qwen3.6", "s", 1, build=lambda dev: None, target=target)
+    assert _target_met(case, row, CEILINGS) is met
+
+
+def test_format_table_marks_targets():
+    row = {"op": "nvfp4_gemm", "model": "qwen3.6", "shape": "q_proj N=8192 K=2048", "m": 1, "us": 3.5,
+           "tb_s": 2.69, "bw_frac": 0.67, "tflop_s": 0.01, "flop_frac": 0.0,
+           "baselines_us": {"cublas_bf16": 10.5}, "target": "bandwidth>=70%", "target_met": False}
+    text = format_table([CEILINGS, row])
+    assert text.splitlines()[0] == "ceilings: copy 4.00 TB/s, bf16 GEMM 800 TFLOP/s"
+    assert text.splitlines()[-1] == (
+        "| nvfp4_gemm | qwen3.6 | q_proj N=8192 K=2048 | 1 | 3.5 | 2.69 | 67% | 0.0 | 0% | cublas_bf16 10.5 "
+        "| bandwidth>=70%: NOT met |"
+    )
