@@ -98,11 +98,12 @@ def write_json_atomic(final: Path, doc: dict[str, Any], exclusive: bool = False)
     return _publish(tmp, final, exclusive)
 
 
-def remove_stale_tmp(directory: Path) -> int:
-    """Delete leftovers of killed writers in a directory this process holds the lock for."""
+def remove_stale_tmp(directory: Path, pattern: str = "*") -> int:
+    """Delete leftovers of killed writers (temporary files whose final name matches `pattern`) in a
+    directory whose files this process holds the lock for."""
     removed = 0
     if directory.is_dir():
-        for p in directory.glob(".*.tmp-*"):
+        for p in directory.glob(f".{pattern}.tmp-*"):
             p.unlink(missing_ok=True)
             removed += 1
     return removed

@@ -130,7 +130,8 @@ def _run_locked(
 ) -> ShardResult:
     result = ShardResult(shard, "done")
     files = plan.inputs
-    keep = [pa.field(c, inputs.column_type(files, c)) for c in plan.keep_columns]
+    first = pq.read_schema(files[0].path)  # the plan checked that every file has these types
+    keep = [pa.field(c, first.field(c).type) for c in plan.keep_columns]
     job = _Job(
         plan,
         engine,
@@ -140,6 +141,7 @@ def _run_locked(
         progress,
     )
     commit.remove_stale_tmp(plan.job_dir / commit.SHARDS_DIR / f"{shard:05d}")
+    commit.remove_stale_tmp(plan.job_dir / commit.MARKERS_DIR, f"{shard:05d}-attempt-*.json")
     for attempt in attempts.shard_attempts(plan, shard):
         marker = commit.marker_path(plan.job_dir, shard, attempt)
         if marker.exists():

@@ -151,9 +151,14 @@ def test_stale_temporary_files_are_removed_and_never_read(tmp_path):
     stale = p.job_dir / "shards/00000/.attempt-01-chunk-00000.parquet.tmp-99999"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"PAR1 half a file")
+    stale_marker = p.job_dir / "markers/.00000-attempt-01.json.tmp-99999"
+    stale_marker.parent.mkdir(parents=True)
+    stale_marker.write_text("{")
+    other_shard = p.job_dir / "markers/.00001-attempt-01.json.tmp-99999"  # not ours to clean
+    other_shard.write_text("{")
     assert query.connect(p.job_dir).sql("SELECT count(*) FROM results").fetchall() == [(0,)]
     worker.run_shard(p, 0, _engine(tmp_path))
-    assert not stale.exists()
+    assert not stale.exists() and not stale_marker.exists() and other_shard.exists()
     assert query.connect(p.job_dir).sql("SELECT count(*) FROM results").fetchall() == [(6,)]
 
 
