@@ -53,6 +53,8 @@ def load_spec(path: str | Path) -> dict[str, Any]:
         if key not in TOP_KEYS:
             raise ConfigError(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(TOP_KEYS))}")
         _check_type(path, key, value, TOP_KEYS[key])
+    if raw.get("progress", "bar") not in ("bar", "json", "none"):
+        raise ConfigError(f"{path}: key 'progress': expected bar, json or none, found {raw['progress']!r}")
     for key, value in raw.get("sampling", {}).items():
         if key not in SAMPLING_KEYS:
             raise ConfigError(

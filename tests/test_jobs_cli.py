@@ -213,6 +213,12 @@ def test_spec_file_and_examples(tmp_path):
     assert run_cli("run", str(spec)).returncode == 0
     r = run_cli("run", str(spec), "--max-tokens", "5")  # flags override the file, so this is a different job
     assert r.returncode == 2 and "max_tokens" in r.stderr
+    spec.write_text(spec.read_text().replace("[sampling]", 'progress = "json"\n[sampling]'))
+    r = run_cli("run", str(spec))
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["event"] == "end"
+    spec.write_text('progress = "loud"\n')
+    r = run_cli("run", str(spec))
+    assert r.returncode == 2 and "key 'progress': expected bar, json or none" in r.stderr
     spec.write_text('inptu = "x"\n')
     r = run_cli("run", str(spec))
     assert r.returncode == 2 and "unknown key 'inptu'" in r.stderr

@@ -127,11 +127,11 @@ def run_command(
     from batchinfer.jobs.commit import PLAN_FILE
     from batchinfer.jobs.engines import parse_args
 
-    progress_mode = flags.pop("progress")
     flags["engine_args"] = parse_args(flags.pop("engine_arg")) or None
     keep = flags.pop("keep_columns")
     flags["keep_columns"] = [c.strip() for c in keep.split(",") if c.strip()] if keep else None
     args = _merge(spec_file, flags)
+    progress_mode = args.pop("progress", None)
     if not args.get("output"):
         raise click.UsageError("--output DIR is required (or `output` in the job spec)")
     job_dir = Path(args["output"]).resolve()
