@@ -39,6 +39,8 @@ def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
         click.echo(
             f"nothing to do: all {len(shard_ids)} selected shard(s) of {plan.job_dir} are done", err=True
         )
+        if progress_mode == "json":  # schedulers still get their start and end events
+            Progress(progress_mode).close("done")
         return 0
     engine = LazyEngine(plan.doc["engine"]["factory"], plan.doc["model"]["path"], plan.doc["engine"]["args"])
     stop = worker.StopFlag()
