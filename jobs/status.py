@@ -40,8 +40,10 @@ def summarize(job_dir: str | Path) -> dict[str, Any]:
     chunks = _chunk_stats(plan)
     out_tokens = sum(c["output_tokens"] for c in chunks)
     engine_s = sum(c["seconds"] for c in chunks)
-    times = sorted(datetime.fromisoformat(c["committed_at"].replace("Z", "+00:00")) for c in chunks)
-    span = (times[-1] - times[0]).total_seconds() if len(times) > 1 else 0.0
+    times = sorted(datetime.fromisoformat(c["committed_at"]) for c in chunks)
+    # wall time from the start of the first chunk to the last commit, over all workers together
+    first = min(chunks, key=lambda c: c["committed_at"]) if chunks else None
+    span = (times[-1] - times[0]).total_seconds() + first["seconds"] if first else 0.0
     all_attempts = attempts.list_attempts(plan)
     return {
         "job_dir": str(plan.job_dir),

@@ -24,6 +24,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +205,7 @@ def _process_chunk(
         "prompt_tokens": sum(r.prompt_tokens for r in results.values()),
         "output_tokens": sum(r.output_tokens for r in results.values()),
         "seconds": round(time.monotonic() - t0, 4),
-        "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "committed_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
     }
     if not job.base_meta:
         job.base_meta = file_metadata(job.plan, job.engine)
