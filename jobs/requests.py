@@ -80,7 +80,10 @@ def build_requests(
         params = {**job_sampling, "seed": seed}
         for key in SAMPLING_COLUMNS:
             if columns[key][i] is not None:
-                params[key] = list(columns[key][i]) if key == "stop" else columns[key][i]
+                value = columns[key][i]
+                params[key] = (
+                    [x for x in value if x] if key == "stop" else value
+                )  # null/"" stops mean nothing
         if problem is None:
             try:
                 sampling = SamplingParams(**params)

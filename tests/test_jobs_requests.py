@@ -39,7 +39,7 @@ def test_row_level_problems_become_error_results():
         messages=[None, None, msgs_ok, msgs_ok, [], [{"role": "user", "content": None}], None, None],
         temperature=[None, None, None, None, None, None, -1.0, None],
         seed=[None, None, None, None, None, None, None, 42],
-        stop=[None] * 7 + [["\n"]],
+        stop=[None] * 7 + [["\n", None, ""]],
         max_tokens=[None] * 7 + [3],
     )
     reqs, errors, seeds = rq.build_requests(cols, {"max_tokens": 16, "temperature": 0.5}, job_seed=9)
