@@ -255,3 +255,16 @@ def test_plan_only_writes_the_plan_and_no_results(tmp_path):
     assert (s["rows_done"], s["shards_pending"], s["finish_reasons"]) == (0, 3, {})
     assert run_cli("run", "--output", str(out), "--progress", "none").returncode == 0
     assert json.loads(run_cli("status", str(out), "--json").stdout)["rows_done"] == 20
+
+
+def test_gpus_runs_one_worker_per_device(tmp_path):
+    write_inputs(tmp_path, files=2, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    # the echo engine ignores the device, so two "GPUs" work on a CPU machine
+    r = run_cli(*echo_args(tmp_path, out, "--shards", "4", "--engine-arg", "delay=0.02", "--gpus", "all"),
+                env={"CUDA_VISIBLE_DEVICES": "0,1"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "[gpu 0]" in r.stderr and "[gpu 1]" in r.stderr
+    s = json.loads(run_cli("status", str(out), "--json").stdout)
+    assert (s["rows_done"], s["shards_done"]) == (20, 4)

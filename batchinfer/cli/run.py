@@ -112,11 +112,17 @@ def _merge(spec_file: str | None, flags: dict[str, Any]) -> dict[str, Any]:
 @click.option("--engine-arg", "engine_arg", multiple=True, help="KEY=VALUE passed to the engine factory.")
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), help="bar (tty default), json, none.")
 @click.option("--force-new-plan", is_flag=True, help="Set the existing plan and results aside; start over.")
+@click.option("--gpus", help="One worker process per GPU, sharing the shards: all, a count (4) or ids (0,2).")
 @click.option(
     "--plan-only", is_flag=True, help="Validate inputs, write plan.json and stop (e.g. before Slurm)."
 )
 def run_command(
-    spec_file: str | None, shard_ids: tuple[int, ...], force_new_plan: bool, plan_only: bool, **flags: Any
+    spec_file: str | None,
+    shard_ids: tuple[int, ...],
+    force_new_plan: bool,
+    plan_only: bool,
+    gpus: str | None,
+    **flags: Any,
 ) -> None:
     """Run a job: Parquet in, resumable sharded results out.
 
@@ -160,6 +166,13 @@ def run_command(
             err=True,
         )
         return
+    if gpus is not None:
+        from batchinfer.jobs import local
+
+        devices = local.parse_gpus(gpus)
+        extra = ["--progress", "json" if progress_mode == "json" else "none"]
+        extra += [a for s in shard_ids for a in ("--shard", str(s))]
+        sys.exit(local.run_on_gpus(plan.job_dir, devices, extra))
     code = execute(plan, list(shard_ids) or list(range(plan.num_shards)), progress_mode or default_progress())
     sys.exit(code)
 
