@@ -143,10 +143,15 @@ def _run_locked(
     )
     commit.remove_stale_tmp(plan.job_dir / commit.SHARDS_DIR / f"{shard:05d}")
     commit.remove_stale_tmp(plan.job_dir / commit.MARKERS_DIR, f"{shard:05d}-attempt-*.json")
-    for attempt in attempts.shard_attempts(plan, shard):
-        marker = commit.marker_path(plan.job_dir, shard, attempt)
-        if marker.exists():
-            continue
+    pending = [
+        a
+        for a in attempts.shard_attempts(plan, shard)
+        if not commit.marker_path(plan.job_dir, shard, a).exists()
+    ]
+    if not pending:  # another runner finished it between our listing and our lock
+        log.debug("shard %05d is already done", shard)
+        return result
+    for attempt in pending:
         rows = attempts.attempt_rows(plan, shard, attempt)
         log.info(
             "shard %05d attempt %d: %d rows in %d chunks",
