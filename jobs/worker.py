@@ -130,6 +130,14 @@ def _run_locked(
     plan: Plan, shard: int, engine: TextEngine, stop: StopFlag | None, progress: Progress | None
 ) -> ShardResult:
     result = ShardResult(shard, "done")
+    pending = [
+        a
+        for a in attempts.shard_attempts(plan, shard)
+        if not commit.marker_path(plan.job_dir, shard, a).exists()
+    ]
+    if not pending:  # another runner finished it between our listing and our lock
+        log.debug("shard %05d is already done", shard)
+        return result
     files = plan.inputs
     first = pq.read_schema(files[0].path)  # the plan checked that every file has these types
     keep = [pa.field(c, first.field(c).type) for c in plan.keep_columns]
@@ -143,14 +151,6 @@ def _run_locked(
     )
     commit.remove_stale_tmp(plan.job_dir / commit.SHARDS_DIR / f"{shard:05d}")
     commit.remove_stale_tmp(plan.job_dir / commit.MARKERS_DIR, f"{shard:05d}-attempt-*.json")
-    pending = [
-        a
-        for a in attempts.shard_attempts(plan, shard)
-        if not commit.marker_path(plan.job_dir, shard, a).exists()
-    ]
-    if not pending:  # another runner finished it between our listing and our lock
-        log.debug("shard %05d is already done", shard)
-        return result
     for attempt in pending:
         rows = attempts.attempt_rows(plan, shard, attempt)
         log.info(
