@@ -90,3 +90,16 @@ def create_retry(plan: Plan, rows_by_shard: dict[int, list[int]], reasons: list[
     total = sum(len(r) for r in rows_by_shard.values())
     log.info("attempt %d: %d rows to retry in %d shards", attempt, total, len(rows_by_shard))
     return attempt
+
+
+def pending_rows(plan: Plan, shard: int) -> int:
+    """Rows of `shard` not yet in a committed chunk (for progress totals)."""
+    left = 0
+    for attempt in shard_attempts(plan, shard):
+        if commit.marker_path(plan.job_dir, shard, attempt).exists():
+            continue
+        n = len(attempt_rows(plan, shard, attempt))
+        for c, lo in enumerate(range(0, n, plan.chunk_rows)):
+            if not commit.chunk_path(plan.job_dir, shard, attempt, c).exists():
+                left += min(plan.chunk_rows, n - lo)
+    return left

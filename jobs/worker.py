@@ -270,19 +270,6 @@ def _attach_log(job_dir: Path, shard: int) -> logging.Handler:
     return handler
 
 
-def pending_rows(plan: Plan, shard: int) -> int:
-    """Rows of `shard` not yet in a committed chunk (for progress totals)."""
-    left = 0
-    for attempt in attempts.shard_attempts(plan, shard):
-        if commit.marker_path(plan.job_dir, shard, attempt).exists():
-            continue
-        n = len(attempts.attempt_rows(plan, shard, attempt))
-        for c, lo in enumerate(range(0, n, plan.chunk_rows)):
-            if not commit.chunk_path(plan.job_dir, shard, attempt, c).exists():
-                left += min(plan.chunk_rows, n - lo)
-    return left
-
-
 def run_shards(
     plan: Plan,
     shard_ids: list[int],

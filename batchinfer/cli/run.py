@@ -45,7 +45,7 @@ def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
     engine = LazyEngine(plan.doc["engine"]["factory"], plan.doc["model"]["path"], plan.doc["engine"]["args"])
     stop = worker.StopFlag()
     stop.install()
-    rows = sum(worker.pending_rows(plan, s) for s in todo)
+    rows = sum(attempts.pending_rows(plan, s) for s in todo)
     progress = Progress(progress_mode, rows_total=rows, shards=len(todo))
     status = "error"
     try:
