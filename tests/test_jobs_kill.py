@@ -3,6 +3,7 @@
 The echo engine sleeps per row to widen the window in which a kill lands mid-chunk.
 """
 
+import json
 import random
 import re
 import signal
@@ -100,6 +101,9 @@ def test_stop_signal_commits_chunk_and_exits_for_requeue(tmp_path, sig):
     deadline = time.monotonic() + 60
     while not first.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
+    s = json.loads(run_cli("status", str(out), "--json").stdout)  # status works mid-run, from disk
+    assert s["shards_running"] == 1 and f" {proc.pid} " in s["running"]["00000"]
+    assert 10 <= s["rows_done"] < ROWS and s["shards_done"] == 0
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 75, err
