@@ -30,7 +30,7 @@ from batchinfer.kernels.nvfp4_gemm import (
 )
 
 
-def _fp8_gemm_configs(m: int) -> GemmConfig:
+def _fp8_gemm_configs(m: int, n: int) -> GemmConfig:
     """Offline-tuned table by M bucket (H200, tuned with `batchinfer.bench.tune_kernels`)."""
     if interpreting():
         return GemmConfig(16, 16, 32, 0, 4, 1)
@@ -155,7 +155,7 @@ def fp8_gemm(
     if config is None and m > FUSED_MAX_M:
         dequant_matmul(x2, lambda r0, r1: fp8_dequantize(w, r0, r1), n, out)
         return out.reshape(*x.shape[:-1], n)
-    cfg = config or _fp8_gemm_configs(m)
+    cfg = config or _fp8_gemm_configs(m, n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k or choose_split_k(tiles, k, cfg.block_k, num_sms(x.device))
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out

@@ -43,11 +43,11 @@ def candidates(m: int) -> list[GemmConfig]:
 
 def tune_point(gemm: Callable, table: Callable, ws: list, wb: list, m: int) -> dict:
     """Time the table's config, every candidate and cuBLAS bf16 for one (shape, M)."""
-    sets, k = len(ws), wb[0].shape[1]
+    sets, (n, k) = len(ws), wb[0].shape
     xs = [torch.randn(m, k, device=wb[0].device, dtype=torch.bfloat16) for _ in range(sets)]
     cublas = time_per_call(lambda i: xs[i] @ wb[i].t(), sets, budget_s=0.05)
     timings = {}
-    for cfg in dict.fromkeys([table(m), *candidates(m)]):
+    for cfg in dict.fromkeys([table(m, n), *candidates(m)]):
         try:
             run = lambda i, c=cfg: gemm(xs[i], ws[i], config=c)
             timings[cfg] = time_per_call(run, sets, budget_s=0.05)
@@ -55,7 +55,7 @@ def tune_point(gemm: Callable, table: Callable, ws: list, wb: list, m: int) -> d
             log.warning("%s: %s", cfg, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
     best = min(timings, key=timings.get)
     return {"best": dataclasses.astuple(best), "best_us": timings[best] * 1e6,
-            "table_us": timings.get(table(m), float("nan")) * 1e6, "cublas_us": cublas * 1e6,
+            "table_us": timings.get(table(m, n), float("nan")) * 1e6, "cublas_us": cublas * 1e6,
             "timings": [[dataclasses.astuple(c), t * 1e6] for c, t in timings.items()]}
 
 
