@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,30 +169,52 @@ def check_ids(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
         )
 
 
-def read_rows(files: Sequence[InputFile], rows: np.ndarray, columns: Sequence[str]) -> pa.Table:
+class RowGroupCache:
+    """The last few decoded row groups. Chunks are usually much smaller than row groups (pyarrow writes
+    up to 1Mi rows per group by default), so consecutive chunks would otherwise decode one group again
+    and again; two entries cover a chunk that straddles a group boundary."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple[str, int], pa.Table] = OrderedDict()
+
+    def get(self, pf: pq.ParquetFile, path: str, group: int, columns: list[str]) -> pa.Table:
+        key = (path, group)
+        if key not in self._items:
+            self._items[key] = pf.read_row_group(group, columns=columns)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        self._items.move_to_end(key)
+        return self._items[key]
+
+
+def read_rows(
+    files: Sequence[InputFile], rows: np.ndarray, columns: Sequence[str], cache: RowGroupCache | None = None
+) -> pa.Table:
     """Rows at the given global indices (ascending), as one table with `columns`.
 
     A column one file lacks (an optional column) comes back as nulls. Only the row groups holding
-    the rows are read, so a chunk of a huge file costs one or two row groups.
+    the rows are read (and kept in `cache` for the next chunk), so a chunk of a huge file is cheap.
     """
+    cache = cache or RowGroupCache()
     offsets = np.array([f.row_offset for f in files], dtype=np.int64)
     which = np.searchsorted(offsets, rows, side="right") - 1
     parts = []
     for file_idx in np.unique(which):
         f = files[int(file_idx)]
         local = rows[which == file_idx] - f.row_offset
-        parts.append(_read_file_rows(f, local, columns))
+        parts.append(_read_file_rows(f, local, list(columns), cache))
     return pa.concat_tables(parts, promote_options="permissive")
 
 
-def _read_file_rows(f: InputFile, local: np.ndarray, columns: Sequence[str]) -> pa.Table:
+def _read_file_rows(f: InputFile, local: np.ndarray, columns: list[str], cache: RowGroupCache) -> pa.Table:
     try:
         pf = pq.ParquetFile(f.path)
         present = [c for c in columns if c in pf.schema_arrow.names]
         meta = pf.metadata
         starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         groups = np.unique(np.searchsorted(starts, local, side="right") - 1)
-        table = pf.read_row_groups([int(g) for g in groups], columns=present)
+        table = pa.concat_tables([cache.get(pf, f.path, int(g), present) for g in groups])
     except (pa.ArrowInvalid, OSError) as e:
         raise InputError(f"{f.path}: cannot read rows {int(local[0])}..{int(local[-1])} ({e})") from None
     base = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in groups])

@@ -97,6 +97,7 @@ class _Job:
     schema: pa.Schema
     progress: Progress | None
     base_meta: dict[str, str] = field(default_factory=dict)
+    row_groups: inputs.RowGroupCache = field(default_factory=inputs.RowGroupCache)
 
 
 def run_shard(
@@ -188,7 +189,7 @@ def _process_chunk(
     job: _Job, shard: int, attempt: int, chunk: int, rows: np.ndarray, path: Path
 ) -> dict[str, Any]:
     t0 = time.monotonic()
-    table = inputs.read_rows(job.files, rows, job.columns)
+    table = inputs.read_rows(job.files, rows, job.columns, job.row_groups)
     cols = {c: table.column(c).to_pylist() for c in rq.INPUT_COLUMNS}
     ids = cols["id"]
     reqs, results_err, seeds = rq.build_requests(cols, job.plan.sampling, job.plan.seed)
