@@ -39,6 +39,7 @@ from batchinfer.jobs.progress import Progress
 
 from batchinfer import __version__
 from batchinfer.engine.api import TextEngine
+from batchinfer.errors import BatchinferError
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ def run_shard(
         handler = _attach_log(plan.job_dir, shard_id)
         try:
             return _run_locked(plan, shard_id, engine, stop, progress)
+        except BatchinferError as e:  # a user error (unreadable input, unloadable model): one line
+            log.error("shard %05d stopped: %s", shard_id, e)
+            raise
         except Exception:
             log.exception(
                 "shard %05d failed; committed chunks are kept and a rerun resumes after them", shard_id
