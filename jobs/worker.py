@@ -15,6 +15,8 @@ Contract of `run_shard(plan, shard_id, engine, *, stop=None, progress=None) -> S
 - Bad rows are output rows. An exception from the engine (a dead engine) or an unreadable input
   propagates after logging; everything committed before it stays, and a rerun resumes there.
 - It logs to `DIR/logs/shard-NNNNN.log` as well as to the normal handlers.
+- Pass a `jobs.engines.LazyEngine` to load the model only once a chunk needs it (a runner that finds
+  every shard done or locked never loads it).
 """
 
 from __future__ import annotations
