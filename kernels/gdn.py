@@ -107,14 +107,18 @@ def _delta_rule_kernel(
     HV_PER_K, q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, LOAD_STATE: tl.constexpr,  #
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, DECODE: tl.constexpr,  #
 ):
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, DK)
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    if DECODE:  # one token per row, continuing the slot's state
+        start = seq
+        end = seq + 1
+    else:  # a whole sequence from a zero state
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     hk = h // HV_PER_K
     s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
@@ -123,7 +127,7 @@ def _delta_rule_kernel(
             tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_v, tl.zeros([BLOCK_V], tl.float32).to(
                 o_ptr.dtype.element_ty))
     else:
-        if LOAD_STATE:
+        if DECODE:
             S = tl.load(s_ptrs).to(tl.float32)  # [DK, BLOCK_V]
         else:
             S = tl.zeros([DK, BLOCK_V], tl.float32)
@@ -242,23 +246,23 @@ def gated_delta_rule(
         raise ValueError(f"expected Hv % Hk == 0 and A_log, dt_bias of shape ({Hv},); got Hk={Hk} Hv={Hv} "
                          f"A_log {tuple(A_log.shape)} dt_bias {tuple(dt_bias.shape)}")
     decode = cu_seqlens is None
-    if decode:
-        cu_seqlens = torch.arange(T + 1, dtype=torch.int32, device=q.device)
-    N = cu_seqlens.numel() - 1
-    if cu_seqlens.dtype != torch.int32 or slot_ids.shape != (N,):
-        raise ValueError(f"cu_seqlens/slot_ids: expected int32 [N + 1] and [N], got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)} and {tuple(slot_ids.shape)}")
+    N = T if decode else cu_seqlens.numel() - 1
+    if not decode and cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens: expected int32, got {cu_seqlens.dtype}")
+    if slot_ids.shape != (N,):
+        raise ValueError(f"slot_ids: expected shape ({N},) (one per {'row' if decode else 'sequence'}), "
+                         f"got {tuple(slot_ids.shape)}")
     cfg = dict(config or _delta_rule_configs(decode))
     if Dv % cfg["BLOCK_V"]:
         raise ValueError(f"v: head dim {Dv} is not a multiple of BLOCK_V={cfg['BLOCK_V']}")
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     _delta_rule_kernel[(N, Hv, Dv // cfg["BLOCK_V"])](
-        q, k, v, a, b, A_log, dt_bias, state, slot_ids, cu_seqlens, o,
+        q, k, v, a, b, A_log, dt_bias, state, slot_ids, slot_ids if decode else cu_seqlens, o,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        DK=Dk, DV=Dv, LOAD_STATE=decode, **cfg,
+        DK=Dk, DV=Dv, DECODE=decode, **cfg,
     )
     return o
 
