@@ -1,8 +1,9 @@
 """The kernel benchmark harness on CPU: case registry, shapes, targets, table (timing needs a GPU)."""
 
 import pytest
+import torch
 
-from batchinfer.bench.kernel_cases_gemm import linear_shapes
+from batchinfer.bench.kernel_cases_gemm import _weights, linear_shapes
 from batchinfer.bench.kernels import (
     L2_BYTES,
     KernelCase,
@@ -35,6 +36,13 @@ def test_model_shapes_match_the_published_configs():
     assert q30["lm_head"] == (151936, 2048) and "in_proj_z" not in q30
 
 
+def test_rotated_weights_are_distinct_for_both_formats():
+    for kind in ("nvfp4", "fp8"):
+        ws = _weights(kind, 16, 64, 3, torch.device("cpu"))
+        deq = [w.dequantize() for w in ws]
+        assert len(ws) == 3 and not torch.equal(deq[0], deq[1]) and deq[0].shape == (16, 64)
+
+
 def test_collect_cases_covers_ops_models_and_m():
     cases = collect_cases(["qwen3.6", "qwen3-30b"], ms=(1, 4096))
     ops = ("nvfp4_gemm", "fp8_gemm", "fused_moe")
@@ -55,6 +63,7 @@ def test_collect_cases_covers_ops_models_and_m():
         (Target("flops", 0.5), {"tflop_s": 390.0}, False),
         (Target("baseline:cublas_bf16", 0.7), {"us": 140.0, "baselines_us": {"cublas_bf16": 100.0}}, True),
         (Target("baseline:cublas_bf16", 0.7), {"us": 150.0, "baselines_us": {"cublas_bf16": 100.0}}, False),
+        (Target("baseline:x", 0.7), {"us": 1.0, "baselines_us": {"x": float("nan")}}, None),
     ],
 )
 def test_target_evaluation(target, row, met):
