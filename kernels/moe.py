@@ -274,6 +274,8 @@ def moe_experts(h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: Mo
         raise ValueError(f"ids {list(ids.shape)} and route_w {list(route_w.shape)} must both be [T={t}, A]")
     a_slots = ids.shape[1]
     numel = t * a_slots
+    if numel == 0:
+        return torch.zeros_like(h)
     experts = w.w13.shape[0]
     block_m = _moe_block_m(numel, experts)
     sorted_ids, block_expert, num_padded = moe_align(ids, experts, block_m)

@@ -256,7 +256,7 @@ def dequant_matmul(
 ) -> None:
     """out = x @ W^T via bf16 row slices of W from `dequant(r0, r1)` and cuBLAS; slices stay <= 128 MiB."""
     rows = max(1, DEQUANT_CHUNK_ELEMS // x.shape[1])
-    if rows >= n:
+    if rows >= n and out.is_contiguous():
         torch.mm(x, dequant(0, n).t(), out=out)
         return
     for r0 in range(0, n, rows):

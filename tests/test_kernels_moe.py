@@ -89,6 +89,12 @@ def test_fused_moe_end_to_end():
     assert _rel(out, fused_moe_ref(h, w, 2, True)) < 5e-3
 
 
+def test_no_tokens():
+    w = _weights(4, 32, 16, True, False, seed=3)
+    h = torch.empty(0, 32, dtype=torch.bfloat16, device=DEVICE)
+    assert fused_moe(h, w, 2, True).shape == (0, 32)
+
+
 def test_rejects_mixed_or_misshaped_experts():
     w = _weights(2, 32, 16, True, False, seed=1)
     dense = torch.zeros(16, 32, dtype=torch.bfloat16, device=DEVICE)

@@ -53,6 +53,10 @@ def test_dequant_path_matches_reference(m, n, k, monkeypatch):
     _check(out, nvfp4_gemm_ref(x, w), exact_weights=False)
     monkeypatch.setattr(nvfp4_gemm_module, "DEQUANT_CHUNK_ELEMS", 16 * k)  # slices of 16 rows
     _check(nvfp4_gemm(x, w), nvfp4_gemm_ref(x, w), exact_weights=False)
+    wide = torch.full((m, n + 5), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    nvfp4_gemm(x, w, out=wide[:, :n])  # a strided output view
+    _check(wide[:, :n], nvfp4_gemm_ref(x, w), exact_weights=False)
+    assert wide[:, n:].isnan().all()
 
 
 def test_dequantize_matches_codec():
