@@ -97,19 +97,26 @@ def stack_moe_weights(
     )
 
 
-def _moe_block_m(numel: int, experts: int) -> int:
-    """BLOCK_M of the grouped GEMMs by average entries per expert (offline-tuned, H200)."""
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Launch configuration of the grouped GEMMs: BLOCK_M (also the alignment), then per GEMM
+    (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+
+    block_m: int
+    gate_up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+def _moe_configs(numel: int, experts: int) -> MoEConfig:
+    """By average entries per expert; a first guess, not yet tuned on the H200 (tune_kernels --kinds moe)."""
     if interpreting():
-        return 16
+        return MoEConfig(16, (16, 32, 4, 1), (16, 32, 4, 1))
     avg = numel / experts
-    return 16 if avg <= 16 else 32 if avg <= 48 else 64
-
-
-def _moe_gemm_configs(block_m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for both grouped GEMMs (offline-tuned, H200)."""
-    if interpreting():
-        return 16, 32, 4, 1
-    return (64, 128, 4, 4) if block_m <= 32 else (128, 64, 8, 3)
+    if avg <= 16:
+        return MoEConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
+    if avg <= 48:
+        return MoEConfig(32, (64, 128, 4, 4), (64, 128, 4, 4))
+    return MoEConfig(64, (128, 64, 8, 3), (128, 64, 8, 3))
 
 
 @triton.jit
@@ -245,12 +252,12 @@ def _moe_gemm_kernel(
 
 
 def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_expert, num_padded,
-                     numel: int, a_div: int, block_m: int) -> None:
+                     numel: int, a_div: int, cfg: MoEConfig) -> None:
     wt, st = (w.w13, w.w13_scale) if gate_up else (w.w2, w.w2_scale)
     ts = w.w13_tensor_scale if gate_up else w.w2_tensor_scale
     n = w.intermediate if gate_up else w.hidden
     k = a.shape[1]
-    block_n, block_k, warps, stages = _moe_gemm_configs(block_m)
+    block_n, block_k, warps, stages = cfg.gate_up if gate_up else cfg.down
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a, wt, st if st is not None else wt, ts if ts is not None else route_w, out, route_w,  #
@@ -258,14 +265,18 @@ def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, 
         numel, n, k, a_div,  #
         a.stride(0), wt.stride(0), wt.stride(1), st.stride(0) if st is not None else 0,  #
         st.stride(1) if st is not None else 0, out.stride(0),  #
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,  #
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,  #
         GATE_UP=gate_up, NVFP4=w.nvfp4, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=stages,  #
     )
 
 
-def moe_experts(h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: MoEWeights) -> torch.Tensor:
-    """`h [T, D]` bf16 through the experts `ids [T, A']` weighted by `route_w [T, A']` -> `[T, D]` bf16."""
+def moe_experts(
+    h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: MoEWeights, config: MoEConfig | None = None
+) -> torch.Tensor:
+    """`h [T, D]` bf16 through the experts `ids [T, A']` weighted by `route_w [T, A']` -> `[T, D]` bf16.
+
+    `config` overrides the table (used by the tuner)."""
     t, d = h.shape
     if h.dtype != torch.bfloat16 or d != w.hidden or h.stride(1) != 1:
         raise ValueError(f"h: expected bfloat16 [T, {w.hidden}] with unit column stride, got {h.dtype} "
@@ -277,13 +288,13 @@ def moe_experts(h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: Mo
     if numel == 0:
         return torch.zeros_like(h)
     experts = w.w13.shape[0]
-    block_m = _moe_block_m(numel, experts)
-    sorted_ids, block_expert, num_padded = moe_align(ids, experts, block_m)
+    cfg = config or _moe_configs(numel, experts)
+    sorted_ids, block_expert, num_padded = moe_align(ids, experts, cfg.block_m)
     inter = torch.empty((numel, w.intermediate), dtype=torch.bfloat16, device=h.device)  # [T*A', I]
     y = torch.empty((numel, d), dtype=torch.bfloat16, device=h.device)  # [T*A', D]
     rw = route_w.contiguous().view(-1).float()
-    _launch_moe_gemm(h, w, True, inter, rw, sorted_ids, block_expert, num_padded, numel, a_slots, block_m)
-    _launch_moe_gemm(inter, w, False, y, rw, sorted_ids, block_expert, num_padded, numel, 1, block_m)
+    _launch_moe_gemm(h, w, True, inter, rw, sorted_ids, block_expert, num_padded, numel, a_slots, cfg)
+    _launch_moe_gemm(inter, w, False, y, rw, sorted_ids, block_expert, num_padded, numel, 1, cfg)
     return y.view(t, a_slots, d).sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from batchinfer.kernels.moe import (
+    MoEConfig,
     fused_moe,
     fused_moe_ref,
     moe_experts,
@@ -79,6 +80,16 @@ def test_experts_match_reference(quant, shared):
     route_w = torch.rand(t, a, generator=g).to(DEVICE)
     h = torch.randn(t, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     assert _rel(moe_experts(h, ids, route_w, w), moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+def test_experts_with_explicit_config():
+    w = _weights(4, 64, 32, True, False, seed=31)
+    g = torch.Generator().manual_seed(32)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)]).int().to(DEVICE)
+    route_w = torch.rand(9, 2, generator=g).to(DEVICE)
+    h = torch.randn(9, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = MoEConfig(32, (32, 64, 4, 1), (16, 32, 4, 1))  # other BLOCK_M, tiles differing per GEMM
+    assert _rel(moe_experts(h, ids, route_w, w, config=cfg), moe_experts_ref(h, ids, route_w, w)) < 5e-3
 
 
 def test_fused_moe_end_to_end():

@@ -15,7 +15,14 @@ import torch
 
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
 from batchinfer.kernels.fp8_gemm import fp8_gemm
-from batchinfer.kernels.moe import fused_moe, moe_experts_ref, moe_route, moe_route_ref, stack_moe_weights
+from batchinfer.kernels.moe import (
+    MoEWeights,
+    fused_moe,
+    moe_experts_ref,
+    moe_route,
+    moe_route_ref,
+    stack_moe_weights,
+)
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
 from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm
 from batchinfer.models.config import ModelConfig
@@ -100,8 +107,8 @@ def linear_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[Ke
                              lambda dev, m=m, n=n, k=k: _linear_timed("fp8", m, n, k, dev))
 
 
-def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
-    """One layer's fused MoE, NVFP4 experts; bytes = expert bytes the routing actually touches."""
+def moe_layer(cfg: ModelConfig, device: torch.device) -> MoEWeights:
+    """One MoE layer of the model with random NVFP4 experts (and shared expert) and a bf16 router."""
     e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     shared = cfg.shared_expert_intermediate_size > 0
     w_one = [quantize_nvfp4(torch.randn(n, k, device=device) * 0.02) for n, k in ((i, d), (i, d), (d, i))]
@@ -112,7 +119,14 @@ def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
     ]
     gate = torch.randn(1, d, device=device, dtype=torch.bfloat16) if shared else None
     router = torch.randn(e, d, device=device, dtype=torch.bfloat16)
-    w = stack_moe_weights(router, experts, tuple(w_one) if shared else None, gate)
+    return stack_moe_weights(router, experts, tuple(w_one) if shared else None, gate)
+
+
+def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
+    """One layer's fused MoE, NVFP4 experts; bytes = expert bytes the routing actually touches."""
+    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    shared = cfg.shared_expert_intermediate_size > 0
+    w = moe_layer(cfg, device)
     per_expert = 3 * (i * d // 2 + i * d // 16)
     probe = torch.randn(t, d, device=device, dtype=torch.bfloat16)
     touched = moe_route(probe @ w.router.t(), e, cfg.num_experts_per_tok, True, shared)[0].unique().numel()

@@ -1,8 +1,9 @@
 """Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
 
-Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json`); the winners go by hand
-into `_nvfp4_gemm_configs` / `_fp8_gemm_configs`. Logs one line per (kernel, shape, M) with the best
-config next to the current table's choice and cuBLAS bf16 on the same shape.
+Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json [--kinds nvfp4,fp8,moe]`);
+the winners go by hand into `_nvfp4_gemm_configs` / `_fp8_gemm_configs` / `_moe_configs`. Logs one
+line per (kernel, shape, M) with the best config next to the current table's choice (and, for the
+linears, cuBLAS bf16 on the same shape).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from batchinfer.bench.kernel_cases_gemm import _weights
-from batchinfer.bench.kernels import rotating_sets, time_per_call
+from batchinfer.bench.kernel_cases_gemm import _weights, moe_layer
+from batchinfer.bench.kernels import bench_models, rotating_sets, time_per_call
 from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm
+from batchinfer.kernels.moe import MoEConfig, _moe_configs, moe_experts, moe_route
 from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,38 @@ def tune_point(gemm: Callable, table: Callable, ws: list, wb: list, m: int) -> d
             "timings": [[dataclasses.astuple(c), t * 1e6] for c, t in timings.items()]}
 
 
+MOE_TOKENS = [1, 8, 32, 128, 512, 4096]
+MOE_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3),
+             (128, 128, 8, 3)]
+
+
+def tune_moe(model: str, t: int, dev: torch.device) -> dict:
+    """Gate_up tiles with the table's down tiles, then down tiles with the best gate_up, per BLOCK_M."""
+    cfg = bench_models()[model]
+    w = moe_layer(cfg, dev)
+    hs = [torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for _ in range(8)]
+    shared = cfg.shared_expert_intermediate_size > 0
+    routes = [moe_route(h @ w.router.t(), cfg.num_experts, cfg.num_experts_per_tok, True, shared) for h in hs]
+    table = _moe_configs(routes[0][0].numel(), w.w13.shape[0])
+
+    def run(c: MoEConfig) -> float:
+        return time_per_call(lambda i: moe_experts(hs[i], *routes[i], w, config=c), len(hs), budget_s=0.05)
+
+    timings = {table: run(table)}
+    for bm in (16, 32, 64, 128):
+        best = table
+        for tiles in MOE_TILES:
+            c = MoEConfig(bm, tiles, table.down)
+            timings[c] = run(c)
+            best = c if timings[c] < timings.get(best, float("inf")) else best
+        for tiles in MOE_TILES:
+            c = MoEConfig(bm, best.gate_up, tiles)
+            timings[c] = run(c)
+    best = min(timings, key=timings.get)
+    return {"model": model, "t": t, "best": dataclasses.astuple(best), "best_us": timings[best] * 1e6,
+            "table_us": timings[table] * 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -69,6 +103,14 @@ def main() -> None:
     dev = torch.device("cuda")
     results = []
     for kind in args.kinds.split(","):
+        if kind == "moe":
+            for model in bench_models():
+                for t in MOE_TOKENS:
+                    r = tune_moe(model, t, dev)
+                    log.info("moe %s T=%d: best %s %.1f us; table %.1f us", model, t, r["best"], r["best_us"],
+                             r["table_us"])
+                    results.append(r)
+            continue
         gemm, table = (nvfp4_gemm, _nvfp4_gemm_configs) if kind == "nvfp4" else (fp8_gemm, _fp8_gemm_configs)
         for n, k in SHAPES[: args.shapes]:
             wbytes = n * k // 2 + n * k // 16 if kind == "nvfp4" else n * k
