@@ -72,9 +72,20 @@ def test_target_evaluation(target, row, met):
 
 
 def test_format_table_marks_targets():
-    row = {"op": "nvfp4_gemm", "model": "qwen3.6", "shape": "q_proj N=8192 K=2048", "m": 1, "us": 3.5,
-           "tb_s": 2.69, "bw_frac": 0.67, "tflop_s": 0.01, "flop_frac": 0.0,
-           "baselines_us": {"cublas_bf16": 10.5}, "target": "bandwidth>=70%", "target_met": False}
+    row = {
+        "op": "nvfp4_gemm",
+        "model": "qwen3.6",
+        "shape": "q_proj N=8192 K=2048",
+        "m": 1,
+        "us": 3.5,
+        "tb_s": 2.69,
+        "bw_frac": 0.67,
+        "tflop_s": 0.01,
+        "flop_frac": 0.0,
+        "baselines_us": {"cublas_bf16": 10.5},
+        "target": "bandwidth>=70%",
+        "target_met": False,
+    }
     text = format_table([CEILINGS, row])
     assert text.splitlines()[0] == "ceilings: copy 4.00 TB/s, bf16 GEMM 800 TFLOP/s"
     assert text.splitlines()[-1] == (

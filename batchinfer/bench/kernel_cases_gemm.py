@@ -32,8 +32,11 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     """(name, N, K) of the distinct linears of one model; lm_head last."""
     d = cfg.hidden_size
     q_rows = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
-    shapes = [("q_proj", q_rows, d), ("kv_proj", cfg.num_key_value_heads * cfg.head_dim, d),
-              ("o_proj", d, cfg.num_attention_heads * cfg.head_dim)]
+    shapes = [
+        ("q_proj", q_rows, d),
+        ("kv_proj", cfg.num_key_value_heads * cfg.head_dim, d),
+        ("o_proj", d, cfg.num_attention_heads * cfg.head_dim),
+    ]
     if cfg.has_linear_attention:
         kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
@@ -82,8 +85,14 @@ def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device) -> Ti
         w_t = ws[0].data.t()
         baselines["scaled_mm_w8a8"] = lambda i: _scaled_mm_w8a8(xs[i], w_t, ws[0].scale)
     # The codec's dequantize copies its E2M1 table from the host, which a CUDA graph cannot capture.
-    return Timed(run=lambda i: gemm(xs[i], ws[i], out=outs[i]), n_sets=sets, bytes=w_bytes + io_bytes,
-                 flops=2 * m * n * k, baselines=baselines, eager=frozenset({"dequant+cublas"}))
+    return Timed(
+        run=lambda i: gemm(xs[i], ws[i], out=outs[i]),
+        n_sets=sets,
+        bytes=w_bytes + io_bytes,
+        flops=2 * m * n * k,
+        baselines=baselines,
+        eager=frozenset({"dequant+cublas"}),
+    )
 
 
 def _linear_target(m: int) -> Target | None:
@@ -103,8 +112,13 @@ def linear_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[Ke
         if name.startswith(("expert", "lm_head")):
             continue  # FP8 only where NVIDIA's mixed checkpoints use it: attention and DeltaNet projections
         for m in ms:
-            yield KernelCase("fp8_gemm", model, f"{name} N={n} K={k}", m,
-                             lambda dev, m=m, n=n, k=k: _linear_timed("fp8", m, n, k, dev))
+            yield KernelCase(
+                "fp8_gemm",
+                model,
+                f"{name} N={n} K={k}",
+                m,
+                lambda dev, m=m, n=n, k=k: _linear_timed("fp8", m, n, k, dev),
+            )
 
 
 def moe_layer(cfg: ModelConfig, device: torch.device) -> MoEWeights:
@@ -139,15 +153,21 @@ def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
         ids, route_w = moe_route_ref(hs[j] @ w.router.t(), e, top_k, True, shared)
         return moe_experts_ref(hs[j], ids, route_w, w)
 
-    return Timed(run=lambda j: fused_moe(hs[j], w, top_k, True), n_sets=sets, bytes=touched * per_expert + io,
-                 flops=2 * t * slots * 3 * i * d, baselines={"reference_loop": reference},
-                 eager=frozenset({"reference_loop"}))
+    return Timed(
+        run=lambda j: fused_moe(hs[j], w, top_k, True),
+        n_sets=sets,
+        bytes=touched * per_expert + io,
+        flops=2 * t * slots * 3 * i * d,
+        baselines={"reference_loop": reference},
+        eager=frozenset({"reference_loop"}),
+    )
 
 
 @register
 def moe_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[KernelCase]:
     shape = f"E={cfg.num_experts} I={cfg.moe_intermediate_size} top{cfg.num_experts_per_tok}" + (
-        " +shared" if cfg.shared_expert_intermediate_size else "")
+        " +shared" if cfg.shared_expert_intermediate_size else ""
+    )
     for m in ms:
         target = Target("bandwidth", 0.60) if m <= 64 else None
         yield KernelCase("fused_moe", model, shape, m, lambda dev, m=m: _moe_timed(cfg, m, dev), target)

@@ -41,20 +41,43 @@ L2_BYTES = 60 * 2**20  # H200; rotating inputs cover at least twice this
 _QWEN36 = {
     "model_type": "qwen3_5_moe",
     "text_config": {
-        "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4,
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "full_attention_interval": 4,
         "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "rope_type": "default"},
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256,
-        "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-        "max_position_embeddings": 262144, "eos_token_id": 248044,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "max_position_embeddings": 262144,
+        "eos_token_id": 248044,
     },
 }
 _QWEN3_30B = {
-    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "rope_theta": 1000000.0,
-    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-    "max_position_embeddings": 40960, "eos_token_id": 151645,
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rope_theta": 1000000.0,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 40960,
+    "eos_token_id": 151645,
 }
 
 
@@ -120,9 +143,7 @@ def collect_cases(models: Sequence[str], ms: Sequence[int] = M_VALUES) -> list[K
     return [case for model in models for factory in _FACTORIES for case in factory(model, configs[model], ms)]
 
 
-def time_per_call(
-    fn: Callable[[int], Any], n_sets: int, budget_s: float = 0.3, graph: bool = True
-) -> float:
+def time_per_call(fn: Callable[[int], Any], n_sets: int, budget_s: float = 0.3, graph: bool = True) -> float:
     """Median seconds per call over replays of `n_sets` calls: one CUDA graph, or eager if `graph` is
     False (code that syncs with the host cannot be captured)."""
     for i in range(n_sets):  # warm-up: compiles, allocates workspaces outside the graph
@@ -185,8 +206,11 @@ def _target_met(case: KernelCase, row: dict[str, Any], ceilings: dict[str, float
 def run_cases(cases: Sequence[KernelCase], device: torch.device) -> Iterator[dict[str, Any]]:
     """Time each case and its baselines; yields one result row per case (build errors are logged)."""
     ceilings = measure_ceilings(device)
-    log.info("ceilings: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s",
-             ceilings["copy_bytes_per_s"] / 1e12, ceilings["bf16_flops_per_s"] / 1e12)
+    log.info(
+        "ceilings: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s",
+        ceilings["copy_bytes_per_s"] / 1e12,
+        ceilings["bf16_flops_per_s"] / 1e12,
+    )
     yield {"op": "ceilings", **ceilings}
     for case in cases:
         try:
@@ -210,8 +234,13 @@ def _run_case(case: KernelCase, device: torch.device, ceilings: dict[str, float]
     timed = case.build(device)
     sec = time_per_call(timed.run, timed.n_sets, budget_s=0.1)
     row: dict[str, Any] = {
-        "op": case.op, "model": case.model, "shape": case.shape, "m": case.m, "us": sec * 1e6,
-        "tb_s": timed.bytes / sec / 1e12, "tflop_s": timed.flops / sec / 1e12,
+        "op": case.op,
+        "model": case.model,
+        "shape": case.shape,
+        "m": case.m,
+        "us": sec * 1e6,
+        "tb_s": timed.bytes / sec / 1e12,
+        "tflop_s": timed.flops / sec / 1e12,
         "bw_frac": timed.bytes / sec / ceilings["copy_bytes_per_s"],
         "flop_frac": timed.flops / sec / ceilings["bf16_flops_per_s"],
         "baselines_us": {k: _time_baseline(case, k, f, timed) for k, f in timed.baselines.items()},
@@ -224,15 +253,21 @@ def _run_case(case: KernelCase, device: torch.device, ceilings: dict[str, float]
 def environment() -> dict[str, str]:
     """What a result table needs beside it: GPU, versions, commit, date."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         commit = "unknown"
     import triton
 
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
@@ -242,11 +277,13 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = []
     for row in rows:
         if row["op"] == "ceilings":
-            lines += [f"ceilings: copy {row['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-                      f"bf16 GEMM {row['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", "",
-                      "| op | model | shape | M | us | TB/s | %copy | TFLOP/s | %gemm | baselines (us) "
-                      "| target |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"ceilings: copy {row['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+                f"bf16 GEMM {row['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
+                "",
+                "| op | model | shape | M | us | TB/s | %copy | TFLOP/s | %gemm | baselines (us) | target |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
             continue
         base = ", ".join(f"{k} {v:.1f}" for k, v in row["baselines_us"].items())
         verdict = {True: "met", False: "NOT met", None: "unknown (baseline failed)"}[row["target_met"]]

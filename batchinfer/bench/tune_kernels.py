@@ -56,14 +56,24 @@ def tune_point(gemm: Callable, table: Callable, ws: list, wb: list, m: int) -> d
         except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
             log.warning("%s: %s", cfg, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
     best = min(timings, key=timings.get)
-    return {"best": dataclasses.astuple(best), "best_us": timings[best] * 1e6,
-            "table_us": timings.get(table(m, n), float("nan")) * 1e6, "cublas_us": cublas * 1e6,
-            "timings": [[dataclasses.astuple(c), t * 1e6] for c, t in timings.items()]}
+    return {
+        "best": dataclasses.astuple(best),
+        "best_us": timings[best] * 1e6,
+        "table_us": timings.get(table(m, n), float("nan")) * 1e6,
+        "cublas_us": cublas * 1e6,
+        "timings": [[dataclasses.astuple(c), t * 1e6] for c, t in timings.items()],
+    }
 
 
 MOE_TOKENS = [1, 8, 32, 128, 512, 4096]
-MOE_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3),
-             (128, 128, 8, 3)]
+MOE_TILES = [
+    (32, 128, 4, 4),
+    (64, 128, 4, 4),
+    (32, 256, 4, 4),
+    (64, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+]
 
 
 def tune_moe(model: str, t: int, dev: torch.device) -> dict:
@@ -89,8 +99,13 @@ def tune_moe(model: str, t: int, dev: torch.device) -> dict:
             c = MoEConfig(bm, best.gate_up, tiles)
             timings[c] = run(c)
     best = min(timings, key=timings.get)
-    return {"model": model, "t": t, "best": dataclasses.astuple(best), "best_us": timings[best] * 1e6,
-            "table_us": timings[table] * 1e6}
+    return {
+        "model": model,
+        "t": t,
+        "best": dataclasses.astuple(best),
+        "best_us": timings[best] * 1e6,
+        "table_us": timings[table] * 1e6,
+    }
 
 
 def main() -> None:
@@ -107,8 +122,14 @@ def main() -> None:
             for model in bench_models():
                 for t in MOE_TOKENS:
                     r = tune_moe(model, t, dev)
-                    log.info("moe %s T=%d: best %s %.1f us; table %.1f us", model, t, r["best"], r["best_us"],
-                             r["table_us"])
+                    log.info(
+                        "moe %s T=%d: best %s %.1f us; table %.1f us",
+                        model,
+                        t,
+                        r["best"],
+                        r["best_us"],
+                        r["table_us"],
+                    )
                     results.append(r)
             continue
         gemm, table = (nvfp4_gemm, _nvfp4_gemm_configs) if kind == "nvfp4" else (fp8_gemm, _fp8_gemm_configs)
@@ -118,9 +139,18 @@ def main() -> None:
             wb = [w.dequantize(torch.bfloat16) for w in ws]
             for m in MS:
                 r = {"kind": kind, "n": n, "k": k, "m": m, **tune_point(gemm, table, ws, wb, m)}
-                log.info("%s N=%d K=%d M=%d: best %s %.1f us (%.2f TB/s weights); table %.1f; cublas %.1f us",
-                         kind, n, k, m, r["best"], r["best_us"], wbytes / r["best_us"] / 1e6, r["table_us"],
-                         r["cublas_us"])
+                log.info(
+                    "%s N=%d K=%d M=%d: best %s %.1f us (%.2f TB/s weights); table %.1f; cublas %.1f us",
+                    kind,
+                    n,
+                    k,
+                    m,
+                    r["best"],
+                    r["best_us"],
+                    wbytes / r["best_us"] / 1e6,
+                    r["table_us"],
+                    r["cublas_us"],
+                )
                 results.append(r)
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)

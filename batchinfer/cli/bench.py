@@ -13,13 +13,23 @@ def bench() -> None:
 
 
 @bench.command("kernels")
-@click.option("--model", type=click.Choice(["qwen3.6", "qwen3-30b", "all"]), default="all", show_default=True,
-              help="Which model's shapes to time.")
+@click.option(
+    "--model",
+    type=click.Choice(["qwen3.6", "qwen3-30b", "all"]),
+    default="all",
+    show_default=True,
+    help="Which model's shapes to time.",
+)
 @click.option("--op", "ops", multiple=True, help="Only these kernels (repeatable), e.g. --op nvfp4_gemm.")
-@click.option("--m", "ms", multiple=True, type=int,
-              help="Token counts (repeatable) [default: 1 8 32 128 512 4096].")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True),
-              help="Also write the environment and every result row to this JSON file.")
+@click.option(
+    "--m", "ms", multiple=True, type=int, help="Token counts (repeatable) [default: 1 8 32 128 512 4096]."
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Also write the environment and every result row to this JSON file.",
+)
 def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str | None) -> None:
     """Time every kernel at the real shapes of the model(s) against PyTorch baselines and measured
     ceilings (copy bandwidth, cuBLAS bf16 GEMM); prints a markdown table."""
