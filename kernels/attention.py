@@ -32,15 +32,22 @@ def _interpreted() -> bool:
 
 
 def _prefill_configs(head_dim: int) -> dict[str, int]:
-    """Offline-tuned tiles (bench: `kernel_cases_attn`); one small tile under the interpreter/pytest."""
+    """Tiles per head dim; one small tile under the interpreter/pytest.
+
+    Chosen from the sm_90 compile report (`python -m batchinfer.bench.sm90_report`), not yet timed on
+    the H200 (`python -m batchinfer.bench.tune_attn` does that): at Dh=256 the fp32 accumulator alone
+    is 128 registers a thread, so 64x64 tiles on 4 warps spilled ~500 B; 128x32 on two warpgroups
+    spills only in the gated epilogue.
+    """
     if _interpreted():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if head_dim <= 128:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
 def _decode_configs(head_dim: int) -> dict[str, int]:
+    """Split-KV tiles: no spills, ~140 registers, 3-stage cp.async pipeline (sm_90 compile report)."""
     if _interpreted():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MIN_SPLIT": 32}
     return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256}

@@ -1,0 +1,179 @@
+"""Compile the attention, DeltaNet and small-op kernels for sm_90 on any machine (no GPU needed) and
+report registers, spilled bytes, shared memory and the instruction mix of each.
+
+Each kernel is reached through its real launcher at its production config: the launcher runs on CPU
+tensors with the Triton launch replaced by a capture, so signature, constexprs, warps and stages are
+what the H200 would compile (pointer and multiple-of-16 integer arguments get Triton's runtime
+divisibility hint). `cuobjdump` from Triton's own package reads the cubin. Not a timing: it answers
+"does it compile for Hopper, does it spill, does it use wgmma / cp.async" before a GPU is available.
+Run `python -m batchinfer.bench.sm90_report` (with TRITON_INTERPRET unset); exit status 1 when a
+kernel fails to compile or spills more than `--max-spill` bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from batchinfer.kernels import attention, gdn, small_ops
+
+_PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+              torch.int64: "*i64", torch.uint8: "*u8"}
+_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
+
+
+def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Run `launch()` with every kernel launch of our modules recorded instead of made; returns the
+    (args, kwargs) of `kernel`'s launch."""
+    seen: dict[str, tuple[tuple, dict]] = {}
+    kernels = [k for mod in (attention, gdn, small_ops) for k in vars(mod).values()
+               if isinstance(k, triton.JITFunction)]
+    for k in kernels:
+        k.run = lambda *args, grid, warmup, _k=k, **kwargs: seen.setdefault(_k.__name__, (args, kwargs))
+    try:
+        launch()
+    finally:
+        for k in kernels:
+            del k.run
+    args, kwargs = seen[kernel.__name__]
+    return list(args), kwargs
+
+
+def _source(
+    kernel: triton.JITFunction, args: list[Any], kwargs: dict[str, Any]
+) -> tuple[ASTSource, dict[str, Any], dict[str, int]]:
+    """The ASTSource Triton's runtime would build for this launch, its constexprs and its options."""
+    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+    options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        v = values[p.name]
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = _PTR_TYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), consts, options
+
+
+def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dict[str, Any]:
+    """Compile the launch `launch()` would make for sm_90; registers, spill bytes, smem, op counts."""
+    src, consts, options = _source(kernel, *_capture(kernel, launch))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    tiles = {k: v for k, v in consts.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return {"kernel": kernel.__name__, "config": tiles | options, "regs": regs, "spill_bytes": stack,
+            "smem": compiled.metadata.shared, **{op: len(re.findall(rf"\b{op}\b", sass)) for op in _OPS}}
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
+
+
+def _attention_launches(H: int, Hkv: int, Dh: int, rot: int, gated: bool) -> Iterator[tuple]:
+    T, B, L = 64, 32, 512
+    qg = _t(T, H, 2 * Dh)
+    q, gate = qg[..., :Dh], qg[..., Dh:] if gated else None
+    k, v = _t(T, Hkv, Dh), _t(T, Hkv, Dh)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    w, inv = _t(Dh), attention.rope_inv_freq(rot, 1e7)
+    yield f"Dh={Dh}", attention._qk_norm_rope_kernel, lambda: attention.qk_norm_rope(
+        q, k, w, w, torch.arange(T), inv, 1e-6, gated)
+    yield f"Dh={Dh}", attention._prefill_attn_kernel, lambda: attention.prefill_attention(
+        q, k, v, cu, T, gate=gate)
+    kc, vc = _t(B, Hkv, L, Dh), _t(B, Hkv, L, Dh)
+    lens, slots = torch.full((B,), L, dtype=torch.int32), torch.arange(B)
+    qd, gd = q[:B], None if gate is None else gate[:B]
+    decode = lambda ctx: attention.decode_attention(qd, kc, vc, slots, lens, max_seqlen=ctx, gate=gd)
+    yield f"Dh={Dh} B={B} split-KV", attention._decode_attn_kernel, lambda: decode(L)
+    yield f"Dh={Dh} B={B} one split", attention._decode_attn_kernel, lambda: decode(64)
+    yield f"Dh={Dh}", attention._decode_combine_kernel, lambda: decode(L)
+
+
+def _gdn_launches() -> Iterator[tuple]:
+    Hk, Hv, D, C, T = 16, 32, 128, 8192, 64
+    mixed = _t(T, C)
+    q, k = mixed[:, : Hk * D].view(T, Hk, D), mixed[:, Hk * D : 2 * Hk * D].view(T, Hk, D)
+    v = mixed[:, 2 * Hk * D :].view(T, Hv, D)
+    ab = _t(T, 2 * Hv)
+    a_log, dt_bias = torch.rand(Hv), torch.randn(Hv)
+    cu, slots = torch.tensor([0, T], dtype=torch.int32), torch.arange(T)
+    a, b = ab[:, :Hv], ab[:, Hv:]
+    rule = lambda state, **kw: gdn.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, **kw)
+    s32, s16 = torch.zeros(T, Hv, D, D), torch.zeros(T, Hv, D, D, dtype=torch.bfloat16)
+    yield "decode, fp32 state", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots)
+    yield "decode, bf16 state", gdn._delta_rule_kernel, lambda: rule(s16, slot_ids=slots)
+    yield "prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu)
+    cw, cs = _t(C, 4), _t(T, 3, C)
+    yield "prefill", gdn._conv1d_kernel, lambda: gdn.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])
+    yield "decode", gdn._conv1d_update_kernel, lambda: gdn.causal_conv1d_update(mixed, cw, cs, slots)
+    yield "", gdn._gated_rmsnorm_kernel, lambda: gdn.gated_rmsnorm(v, v, _t(D), 1e-6)
+
+
+def _small_op_launches() -> Iterator[tuple]:
+    T, V, n = 64, 248320, 8
+    x = _t(T, 2048)
+    yield "D=2048", small_ops._add_rmsnorm_kernel, lambda: small_ops.add_rmsnorm(x, x, _t(2048), 1e-6, True)
+    yield "I=512", small_ops._silu_mul_kernel, lambda: small_ops.silu_mul(_t(T, 1024))
+    yield "D=2048", small_ops._embedding_kernel, lambda: small_ops.embedding(torch.arange(T), x)
+    yield f"V={V}", small_ops._sample_kernel, lambda: small_ops.sample(
+        _t(n, V, dtype=torch.float32), torch.ones(n), torch.ones(n, dtype=torch.int32), torch.ones(n),
+        torch.arange(n), torch.zeros(n, dtype=torch.int64))
+
+
+def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
+    """(case, kernel, launch) at both models' shapes, production configs."""
+    yield from _attention_launches(16, 2, 256, 64, True)
+    yield from _attention_launches(32, 4, 128, 128, False)
+    yield from _gdn_launches()
+    yield from _small_op_launches()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-spill", type=int, default=128, help="largest tolerated spill (stack) in bytes")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: the report compiles real sm_90 code")
+    print("| kernel | case | config | regs | spill B | smem B | " + " | ".join(_OPS) + " |")
+    print("|---" * (6 + len(_OPS)) + "|")
+    failed = False
+    for case, kernel, launch in launches():
+        try:
+            r = compile_report(kernel, launch)
+        except Exception as e:  # report every kernel, then fail
+            print(f"| {kernel.__name__} | {case} | COMPILE FAILED: {str(e).splitlines()[0][:200]} |")
+            failed = True
+            continue
+        failed |= r["spill_bytes"] > args.max_spill
+        print(f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
+              + " | ".join(str(r[op]) for op in _OPS) + " |")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
