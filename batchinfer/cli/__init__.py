@@ -13,6 +13,7 @@ from batchinfer.errors import BatchinferError
 
 # command name -> "module:function"; the module is imported only when the command runs.
 COMMANDS: dict[str, str] = {
+    "eval": "batchinfer.cli.eval:eval_command",
     "slurm": "batchinfer.cli.slurm:slurm_command",
     "run": "batchinfer.cli.run:run_command",
     "status": "batchinfer.cli.status:status_command",

@@ -144,8 +144,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     log.info("%d parameters, %d training examples, device %s", n_params, len(train_rows), args.device)
 
     g = torch.Generator().manual_seed(args.seed)
-    t0, history = time.time(), []
+    t0, history, steps_done = time.time(), [], 0
     for step in range(1, args.steps + 1):
+        if args.max_seconds and time.time() - t0 > args.max_seconds:
+            log.warning("stopping at step %d of %d: --max-seconds %d reached", step - 1, args.steps, args.max_seconds)
+            break
+        steps_done = step
         lr = args.lr * min(1.0, step / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = max(lr, args.lr * 0.02)
@@ -199,6 +203,7 @@ def main() -> None:
     p.add_argument("--train-per-task", type=int, default=40000)
     p.add_argument("--eval-per-task", type=int, default=200)
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--max-seconds", type=int, default=0, help="stop early (and still save) after this long")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     record = train(p.parse_args())
     print(json.dumps(record["heldout_exact_match"]))
