@@ -24,8 +24,15 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
 
+# The demo: 2,000 held-out task prompts through the shipped demo model (CPU or GPU), resumable,
+# then one DuckDB query joining the results with the expected answers.
+DEMO_SQL := SELECT i.task, count(*) AS rows, count_if(trim(r.text) = trim(i.answer)) AS correct, \
+	round(avg((trim(r.text) = trim(i.answer))::INT), 3) AS exact_match \
+	FROM latest r JOIN inputs i USING (id) GROUP BY i.task ORDER BY i.task
+
 demo: setup
-	$(VENV)/bin/batchinfer demo
+	$(VENV)/bin/batchinfer run examples/demo-job.toml
+	$(VENV)/bin/batchinfer query demo-output "$(DEMO_SQL)"
 
 lint: setup
 	$(VENV)/bin/ruff check .
