@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
 from batchinfer.kernels.attention import decode_attention, prefill_attention, qk_norm_rope, rope_inv_freq
 from batchinfer.kernels.gdn import causal_conv1d, causal_conv1d_update, gated_delta_rule, gated_rmsnorm
+from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 from batchinfer.kernels.small_ops import add_rmsnorm, sample, silu_mul
 from batchinfer.models.config import ModelConfig
 
@@ -108,7 +109,8 @@ def _gdn_decode(cfg: ModelConfig, batch: int, state_dtype: torch.dtype, dev: tor
     )
 
 
-def _gdn_prefill(cfg: ModelConfig, tokens: int, dev: torch.device) -> Timed:
+def _gdn_prefill(cfg: ModelConfig, tokens: int, chunked: bool, dev: torch.device) -> Timed:
+    """Sequences of 1024 tokens from a zero state: the chunked kernel, or the token recurrence."""
     Hk, Hv, Dk, Dv = _gdn_shapes(cfg)
     seqs = max(1, tokens // 1024)
     cu = torch.linspace(0, tokens, seqs + 1, device=dev).round().to(torch.int32)
@@ -120,8 +122,9 @@ def _gdn_prefill(cfg: ModelConfig, tokens: int, dev: torch.device) -> Timed:
     A_log, dt_bias = torch.rand(Hv, device=dev), torch.randn(Hv, device=dev)
     state = torch.empty(seqs, Hv, Dk, Dv, device=dev)
     slots = torch.arange(seqs, device=dev)
+    fn = chunk_gated_delta_rule if chunked else gated_delta_rule  # both take cu_seqlens 10th
     return Timed(
-        run=lambda i: gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu),
+        run=lambda i: fn(q, k, v, a, b, A_log, dt_bias, state, slots, cu),
         n_sets=1, bytes=2 * mixed.numel() + 2 * tokens * Hv * Dv + state.numel() * 4,
         flops=tokens * Hv * Dk * Dv * 7,
     )
@@ -218,8 +221,10 @@ def gdn_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[Kerne
             yield KernelCase("conv1d_update", model, f"C={2 * Hk * Dk + Hv * Dv} K=4", m,
                              lambda dev, m=m: _conv(cfg, m, True, dev))
         if m >= PREFILL_MIN_TOKENS:
-            yield KernelCase("gdn_prefill", model, f"Hk={Hk} Hv={Hv} D={Dk} seqs of 1024", m,
-                             lambda dev, m=m: _gdn_prefill(cfg, m, dev))
+            for chunked in (True, False):
+                yield KernelCase("gdn_prefill_chunk" if chunked else "gdn_prefill_recurrent", model,
+                                 f"Hk={Hk} Hv={Hv} D={Dk} seqs of 1024", m,
+                                 lambda dev, m=m, c=chunked: _gdn_prefill(cfg, m, c, dev))
             yield KernelCase("conv1d", model, f"C={2 * Hk * Dk + Hv * Dv} K=4", m,
                              lambda dev, m=m: _conv(cfg, m, False, dev))
         yield KernelCase("gated_rmsnorm", model, f"{Hv} heads x {Dv}", m,

@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from batchinfer.kernels import attention, gdn, small_ops
+from batchinfer.kernels import attention, gdn, gdn_chunk, small_ops
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.int64: "*i64", torch.uint8: "*u8"}
@@ -37,7 +37,7 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     """Run `launch()` with every kernel launch of our modules recorded instead of made; returns the
     (args, kwargs) of `kernel`'s launch."""
     seen: dict[str, tuple[tuple, dict]] = {}
-    kernels = [k for mod in (attention, gdn, small_ops) for k in vars(mod).values()
+    kernels = [k for mod in (attention, gdn, gdn_chunk, small_ops) for k in vars(mod).values()
                if isinstance(k, triton.JITFunction)]
     for k in kernels:
         k.run = lambda *args, grid, warmup, _k=k, **kwargs: seen.setdefault(_k.__name__, (args, kwargs))
@@ -128,6 +128,8 @@ def _gdn_launches() -> Iterator[tuple]:
     yield "decode, fp32 state", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots)
     yield "decode, bf16 state", gdn._delta_rule_kernel, lambda: rule(s16, slot_ids=slots)
     yield "prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu)
+    yield "prefill", gdn_chunk._chunk_delta_rule_kernel, lambda: gdn_chunk.chunk_gated_delta_rule(
+        q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu)
     cw, cs = _t(C, 4), _t(T, 3, C)
     yield "prefill", gdn._conv1d_kernel, lambda: gdn.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])
     yield "decode", gdn._conv1d_update_kernel, lambda: gdn.causal_conv1d_update(mixed, cw, cs, slots)

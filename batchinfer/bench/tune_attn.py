@@ -27,6 +27,7 @@ from batchinfer.kernels.attention import (
     prefill_attention,
 )
 from batchinfer.kernels.gdn import _delta_rule_configs, gated_delta_rule
+from batchinfer.kernels.gdn_chunk import _chunk_configs, chunk_gated_delta_rule
 
 log = logging.getLogger(__name__)
 BF16 = torch.bfloat16
@@ -36,6 +37,7 @@ PREFILL = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (128,
 DECODE = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
 GDN_DECODE = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)]
 GDN_PREFILL = [(bv, w) for bv in (8, 16, 32) for w in (1, 2, 4)]
+GDN_CHUNK = [(64, 16, 8), (64, 32, 8), (64, 16, 4), (32, 64, 4), (32, 32, 4)]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -144,8 +146,12 @@ def sweep_gdn(dev: torch.device) -> list[dict[str, Any]]:
     run = lambda c, i: gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu, config=c)
     ref = run(_delta_rule_configs(False), 0)
     configs = [_delta_rule_configs(False)] + [dict(BLOCK_V=bv, num_warps=w) for bv, w in GDN_PREFILL]
-    return rows + _sweep(f"gdn prefill T={T} seqs={seqs}", configs, run, lambda c: run(c, 0), ref, 1,
-                         {"tokens": T})
+    rows += _sweep(f"gdn prefill T={T} seqs={seqs}", configs, run, lambda c: run(c, 0), ref, 1, {"tokens": T})
+    chunk = lambda c, i: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, config=c)
+    configs = [_chunk_configs()] + [dict(BT=bt, BLOCK_V=bv, num_warps=w, num_stages=1)
+                                    for bt, bv, w in GDN_CHUNK]
+    return rows + _sweep(f"gdn chunked prefill T={T} seqs={seqs}", configs, chunk, lambda c: chunk(c, 0),
+                         ref, 1, {"tokens": T})
 
 
 def bf16_state_drift(dev: torch.device, batch: int = 32, steps: int = 512) -> dict[str, Any]:
