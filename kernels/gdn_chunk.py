@@ -16,17 +16,16 @@ accumulation, as FLA does; expected error vs `gdn.gated_delta_rule_ref` ~2e-3 re
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels.gdn import _interpreted
 
 
 def _chunk_configs() -> dict[str, int]:
     """Chunk and v-tile from the sm_90 compile report (`python -m batchinfer.bench.sm90_report`), not yet
     timed: 64-token chunks keep wgmma (M = 64); 16-wide v-tiles on 8 warps spill 64 B, wider ones 150+."""
-    if "PYTEST_VERSION" in os.environ or os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreted():
         return {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "num_stages": 1}
     return {"BT": 64, "BLOCK_V": 16, "num_warps": 8, "num_stages": 1}
 

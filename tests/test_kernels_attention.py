@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from batchinfer.kernels import attention
 from batchinfer.kernels.attention import (
     decode_attention,
     decode_attention_ref,
@@ -141,4 +142,26 @@ def test_real_shapes_gpu(H, Hkv, Dh, gated, rot, one_plus):
     seq_lens = torch.randint(0, max_len + 1, (B,), dtype=torch.int32, device=DEV)
     out = decode_attention(qo[:B], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:B])
     ref = decode_attention_ref(qo[:B], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:B])
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("Dh,gated", [(256, True), (128, False)])
+def test_production_tiles(monkeypatch, Dh, gated):
+    """The H200 tile configs (not the small interpreter ones) on shapes that cross their tile edges."""
+    monkeypatch.setattr(attention, "_interpreted", lambda: False)
+    prefill_cfg, decode_cfg = attention._prefill_configs(Dh), attention._decode_configs(Dh)
+    H, Hkv = 4, 1
+    lens = [150, 3]
+    cu = torch.tensor([0, 150, 153], dtype=torch.int32, device=DEV)
+    qg = rnd(153, H, 2 * Dh)
+    q, gate = qg[..., :Dh], (qg[..., Dh:] if gated else None)
+    k, v = rnd(153, Hkv, Dh), rnd(153, Hkv, Dh)
+    out = prefill_attention(q, k, v, cu, max(lens), gate=gate, config=prefill_cfg)
+    assert rel_err(out, prefill_attention_ref(q, k, v, cu, gate=gate)) < 1e-2
+    kc, vc = _cache(3, Hkv, 600, Dh)
+    slot_ids = torch.tensor([2, 0], device=DEV)
+    seq_lens = torch.tensor([600, 257], dtype=torch.int32, device=DEV)  # 3 and 2 splits of 256
+    out = decode_attention(q[:2], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:2],
+                           config=decode_cfg)
+    ref = decode_attention_ref(q[:2], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:2])
     assert rel_err(out, ref) < 1e-2

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from batchinfer.kernels import gdn
 from batchinfer.kernels.gdn import (
     causal_conv1d,
     causal_conv1d_ref,
@@ -158,3 +159,23 @@ def test_real_shapes_gpu():
     z = rnd(B, Hv, D)
     nw = rnd(D)
     assert rel_err(gated_rmsnorm(out, z, nw, 1e-6), gated_rmsnorm_ref(out, z, nw, 1e-6)) < 1e-2
+
+
+def test_production_tiles(monkeypatch):
+    """The H200 v-tiles (not the small interpreter ones): decode and the prefill recurrence."""
+    monkeypatch.setattr(gdn, "_interpreted", lambda: False)
+    Hk, Hv, D = 1, 2, 64
+    cu = torch.tensor([0, 9, 30], dtype=torch.int32, device=DEV)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(30, Hk, Hv, D, D)
+    state = torch.empty(2, Hv, D, D, device=DEV)
+    slots = torch.tensor([1, 0], device=DEV)
+    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu,
+                           config=gdn._delta_rule_configs(False))
+    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
+    assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-4
+    init = state.clone()
+    out = gated_delta_rule(q[:2], k[:2], v[:2], a[:2], b[:2], A_log, dt_bias, state, slots,
+                           config=gdn._delta_rule_configs(True))
+    ref, ref_final = gated_delta_rule_ref(q[:2], k[:2], v[:2], a[:2], b[:2], A_log, dt_bias,
+                                          torch.arange(3, dtype=torch.int32), initial_state=init[slots])
+    assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-4

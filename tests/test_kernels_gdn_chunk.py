@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from batchinfer.kernels import gdn_chunk
 from batchinfer.kernels.gdn import gated_delta_rule, gated_delta_rule_ref
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 
@@ -59,5 +60,19 @@ def test_real_shapes_gpu():
     state = torch.empty(len(lens), 32, 128, 128, device=DEV)
     slots = torch.arange(len(lens), device=DEV)
     out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu)
+    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
+    assert rel_err(out, ref) < 1e-2 and rel_err(state, ref_final) < 1e-2
+
+
+def test_production_chunk(monkeypatch):
+    """The H200 chunk (64 tokens) and v-tile on sequences that end mid-chunk."""
+    monkeypatch.setattr(gdn_chunk, "_interpreted", lambda: False)
+    cfg = gdn_chunk._chunk_configs()
+    assert cfg["BT"] == 64
+    cu = torch.tensor([0, 150, 213], dtype=torch.int32, device=DEV)
+    q, k, v, a, b, A_log, dt_bias = _inputs(213, 1, 2, 32, slow_decay=True)
+    state = torch.empty(2, 2, 32, 32, device=DEV)
+    slots = torch.arange(2, device=DEV)
+    out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, config=cfg)
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
     assert rel_err(out, ref) < 1e-2 and rel_err(state, ref_final) < 1e-2
