@@ -10,9 +10,7 @@ import click
 
 @click.command("eval")
 @click.option("-m", "--model", required=True, help="Checkpoint folder to evaluate.")
-@click.option(
-    "-o", "--output", required=True, help="Job directory for the evaluation run (rerun to resume)."
-)
+@click.option("-o", "--output", required=True, help="Job directory for the evaluation run (rerun to resume).")
 @click.option("--tasks", help="Comma-separated task names [all: add,reverse,sort,count,convert].")
 @click.option("--n-per-task", type=int, default=200, show_default=True, help="Held-out prompts per task.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Seed of the held-out set.")
@@ -51,7 +49,14 @@ def eval_command(
             job_dir,
             [str(prompts)],
             model,
-            {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": [], "ignore_eos": False},
+            {
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "stop": [],
+                "ignore_eos": False,
+            },
             keep_columns=["task", "answer"],
             engine_args=parse_args(engine_arg),
         )

@@ -43,7 +43,9 @@ def heldout_table(n_per_task: int, seed: int = HELDOUT_SEED, tasks: list[str] | 
     )
 
 
-def write_heldout(path: str | Path, n_per_task: int, seed: int = HELDOUT_SEED, tasks: list[str] | None = None):
+def write_heldout(
+    path: str | Path, n_per_task: int, seed: int = HELDOUT_SEED, tasks: list[str] | None = None
+):
     """Write the held-out prompt file (deterministic for the same arguments)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -147,7 +147,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     t0, history, steps_done = time.time(), [], 0
     for step in range(1, args.steps + 1):
         if args.max_seconds and time.time() - t0 > args.max_seconds:
-            log.warning("stopping at step %d of %d: --max-seconds %d reached", step - 1, args.steps, args.max_seconds)
+            log.warning(
+                "stopping at step %d of %d: --max-seconds %d reached", step - 1, args.steps, args.max_seconds
+            )
             break
         steps_done = step
         lr = args.lr * min(1.0, step / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
