@@ -177,6 +177,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     record = {
         "seed": args.seed,
         "steps": args.steps,
+        "steps_done": steps_done,
         "batch": args.batch,
         "lr": args.lr,
         "warmup": args.warmup,
