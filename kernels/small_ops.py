@@ -98,63 +98,94 @@ def _mass_above(x_ptr, V, t, y_max, inv_t, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, step_ptr, out_ptr,  #
-    V,  #
+def _gumbel_score(x, offs, seed, inv_t):
+    """`x / T + Gumbel noise`; the noise of token i in a row depends only on (seed, i)."""
+    return x * inv_t - tl.log(-tl.log(tl.rand(seed, offs)))
+
+
+@triton.jit
+def _sample_partial_kernel(
+    logits_ptr, temp_ptr, seed_ptr, step_ptr, part_f_ptr, part_i_ptr,  #
+    V, NC,  #
     stride_logits,  #
-    SEED_MIX: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_V: tl.constexpr,  #
+    SEED_MIX: tl.constexpr, BLOCK_V: tl.constexpr,  #
+):
+    """Per (row, chunk): max, argmax, min and the Gumbel-max winner, so unfiltered rows need no
+    second pass over the vocabulary (the chunks of one row run on many SMs)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    ok = offs < V
+    x = tl.load(logits_ptr + row * stride_logits + offs, mask=ok, other=-float("inf")).to(tl.float32)
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    seed = tl.load(seed_ptr + row) * SEED_MIX + tl.load(step_ptr + row)
+    score = tl.where(ok, _gumbel_score(x, offs, seed, 1.0 / tl.maximum(temp, 1e-30)), -float("inf"))
+    base = (row * NC + chunk) * 4
+    tl.store(part_f_ptr + base, tl.max(x, axis=0))
+    tl.store(part_f_ptr + base + 1, tl.min(tl.where(ok, x, float("inf")), axis=0))
+    tl.store(part_f_ptr + base + 2, tl.max(score, axis=0))
+    tl.store(part_i_ptr + base, chunk * BLOCK_V + tl.argmax(x, axis=0))
+    tl.store(part_i_ptr + base + 2, chunk * BLOCK_V + tl.argmax(score, axis=0))
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, step_ptr, part_f_ptr, part_i_ptr, out_ptr,  #
+    V, NC,  #
+    stride_logits,  #
+    SEED_MIX: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_NC: tl.constexpr,  #
 ):
     row = tl.program_id(0).to(tl.int64)
     x_ptr = logits_ptr + row * stride_logits
-    # Pass 1: max, min and argmax of the raw logits.
-    x_max = -float("inf")
-    x_min = float("inf")
-    best = 0
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(x_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-        c_max = tl.max(x, axis=0)
-        c_arg = tl.argmax(x, axis=0) + start
-        best = tl.where(c_max > x_max, c_arg, best)
-        x_max = tl.maximum(x_max, c_max)
-        x_min = tl.minimum(x_min, tl.min(tl.where(offs < V, x, float("inf")), axis=0))
+    offs_c = tl.arange(0, BLOCK_NC)
+    c_ok = offs_c < NC
+    base = (row * NC + offs_c) * 4
+    c_max = tl.load(part_f_ptr + base, mask=c_ok, other=-float("inf"))
+    x_max = tl.max(c_max, axis=0)
+    x_min = tl.min(tl.load(part_f_ptr + base + 1, mask=c_ok, other=float("inf")), axis=0)
+    g_max = tl.load(part_f_ptr + base + 2, mask=c_ok, other=-float("inf"))
+    c_arg = tl.load(part_i_ptr + base, mask=c_ok, other=0)
+    best = tl.sum(tl.where(offs_c == tl.argmax(c_max, axis=0), c_arg, 0))  # first chunk holding the max
     temp = tl.load(temp_ptr + row).to(tl.float32)
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    filtered = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)
     if temp > 0.0:
-        inv_t = 1.0 / temp
-        y_max = x_max * inv_t
-        top_k = tl.load(top_k_ptr + row)
-        top_p = tl.load(top_p_ptr + row).to(tl.float32)
-        # Top-k: the largest threshold t with count(x >= t) >= k, by bisection on the logit value.
-        lo = x_min
-        if top_k > 0:
-            if top_k < V:
+        if filtered:
+            inv_t = 1.0 / temp
+            y_max = x_max * inv_t
+            # Top-k: the largest threshold t with count(x >= t) >= k, by bisection on the logit value.
+            lo = x_min
+            if (top_k > 0) & (top_k < V):
                 hi = x_max + 1.0
                 for _ in range(SEARCH_STEPS):
                     mid = lo + (hi - lo) * 0.5
                     count, _m = _mass_above(x_ptr, V, mid, y_max, inv_t, BLOCK_V)
                     lo = tl.where(count >= top_k, mid, lo)
                     hi = tl.where(count >= top_k, hi, mid)
-        # Top-p over the top-k survivors: the largest t whose mass above is >= top_p of theirs.
-        if top_p < 1.0:
-            _c, kept = _mass_above(x_ptr, V, lo, y_max, inv_t, BLOCK_V)
-            hi = x_max + 1.0
-            for _ in range(SEARCH_STEPS):
-                mid = lo + (hi - lo) * 0.5
-                _c, mass = _mass_above(x_ptr, V, mid, y_max, inv_t, BLOCK_V)
-                lo = tl.where(mass >= top_p * kept, mid, lo)
-                hi = tl.where(mass >= top_p * kept, hi, mid)
-        # Gumbel-max over the survivors draws exactly from softmax(x / T) restricted to them.
-        seed = tl.load(seed_ptr + row) * SEED_MIX + tl.load(step_ptr + row)
-        best_score = -float("inf")
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(x_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-            u = tl.rand(seed, offs)
-            score = tl.where(x >= lo, x * inv_t - tl.log(-tl.log(u)), -float("inf"))
-            c_max = tl.max(score, axis=0)
-            c_arg = tl.argmax(score, axis=0) + start
-            best = tl.where(c_max > best_score, c_arg, best)
-            best_score = tl.maximum(best_score, c_max)
+            # Top-p over the top-k survivors: the largest t whose mass above is >= top_p of theirs.
+            if top_p < 1.0:
+                _c, kept = _mass_above(x_ptr, V, lo, y_max, inv_t, BLOCK_V)
+                hi = x_max + 1.0
+                for _ in range(SEARCH_STEPS):
+                    mid = lo + (hi - lo) * 0.5
+                    _c, mass = _mass_above(x_ptr, V, mid, y_max, inv_t, BLOCK_V)
+                    lo = tl.where(mass >= top_p * kept, mid, lo)
+                    hi = tl.where(mass >= top_p * kept, hi, mid)
+            # Gumbel-max over the survivors draws exactly from softmax(x / T) restricted to them.
+            seed = tl.load(seed_ptr + row) * SEED_MIX + tl.load(step_ptr + row)
+            best_score = -float("inf")
+            for start in range(0, V, BLOCK_V):
+                offs = start + tl.arange(0, BLOCK_V)
+                x = tl.load(x_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+                score = tl.where(x >= lo, _gumbel_score(x, offs, seed, inv_t), -float("inf"))
+                s_max = tl.max(score, axis=0)
+                s_arg = tl.argmax(score, axis=0) + start
+                best = tl.where(s_max > best_score, s_arg, best)
+                best_score = tl.maximum(best_score, s_max)
+        else:  # plain temperature: the winner of the per-chunk Gumbel maxima
+            g_idx = tl.load(part_i_ptr + base + 2, mask=c_ok, other=0)
+            best = tl.sum(tl.where(offs_c == tl.argmax(g_max, axis=0), g_idx, 0))
     tl.store(out_ptr + row, best.to(tl.int64))
 
 
@@ -259,10 +290,19 @@ def sample(
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     block = min(triton.next_power_of_2(V), 1024 if interp else 4096)
+    nc = triton.cdiv(V, block)
+    part_f = torch.empty((B, nc, 4), dtype=torch.float32, device=logits.device)  # max, min, gumbel max, -
+    part_i = torch.empty((B, nc, 4), dtype=torch.int32, device=logits.device)  # argmax, -, gumbel argmax, -
+    _sample_partial_kernel[(B, nc)](
+        logits, temperature, seeds, steps, part_f, part_i,
+        V, nc, logits.stride(0),
+        SEED_MIX=_SEED_MIX, BLOCK_V=block, num_warps=1 if interp else 8,
+    )
     _sample_kernel[(B,)](
-        logits, temperature, top_k, top_p, seeds, steps, out,
-        V, logits.stride(0),
-        SEED_MIX=_SEED_MIX, SEARCH_STEPS=_SEARCH_STEPS, BLOCK_V=block, num_warps=1 if interp else 8,
+        logits, temperature, top_k, top_p, seeds, steps, part_f, part_i, out,
+        V, nc, logits.stride(0),
+        SEED_MIX=_SEED_MIX, SEARCH_STEPS=_SEARCH_STEPS, BLOCK_V=block, BLOCK_NC=triton.next_power_of_2(nc),
+        num_warps=1 if interp else 8,
     )
     return out
 

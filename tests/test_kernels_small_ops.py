@@ -121,6 +121,13 @@ def test_sample_distribution_matches_reference():
     assert (ref_freq - probs).abs().max() < 0.035
 
 
+def test_sample_cold_temperature_is_argmax_across_chunks():
+    """Per-chunk Gumbel winners combine into the row's winner: at T -> 0 that is the argmax."""
+    logits = torch.randn(3, 5000, device=DEV) * 2
+    tok = sample(logits, *_sampling_inputs(3, 5000, 1e-4, 0, 1.0))
+    assert torch.equal(tok.cpu(), logits.argmax(-1).cpu())
+
+
 def test_sample_steps_change_the_draw():
     B, V = 64, 50
     logits = torch.zeros(B, V, device=DEV) + torch.randn(V, device=DEV) * 0.1

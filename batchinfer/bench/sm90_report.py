@@ -142,9 +142,11 @@ def _small_op_launches() -> Iterator[tuple]:
     yield "D=2048", small_ops._add_rmsnorm_kernel, lambda: small_ops.add_rmsnorm(x, x, _t(2048), 1e-6, True)
     yield "I=512", small_ops._silu_mul_kernel, lambda: small_ops.silu_mul(_t(T, 1024))
     yield "D=2048", small_ops._embedding_kernel, lambda: small_ops.embedding(torch.arange(T), x)
-    yield f"V={V}", small_ops._sample_kernel, lambda: small_ops.sample(
-        _t(n, V, dtype=torch.float32), torch.ones(n), torch.ones(n, dtype=torch.int32), torch.ones(n),
-        torch.arange(n), torch.zeros(n, dtype=torch.int64))
+    ones, k = torch.ones(n), torch.ones(n, dtype=torch.int32)
+    draw = lambda: small_ops.sample(_t(n, V, dtype=torch.float32), ones, k, ones, torch.arange(n),
+                                    torch.zeros(n, dtype=torch.int64))
+    yield f"V={V}", small_ops._sample_partial_kernel, draw
+    yield f"V={V}", small_ops._sample_kernel, draw
 
 
 def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
