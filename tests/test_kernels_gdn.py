@@ -179,3 +179,16 @@ def test_production_tiles(monkeypatch):
     ref, ref_final = gated_delta_rule_ref(q[:2], k[:2], v[:2], a[:2], b[:2], A_log, dt_bias,
                                           torch.arange(3, dtype=torch.int32), initial_state=init[slots])
     assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-4
+
+
+def test_production_tiles_bf16_state(monkeypatch):
+    monkeypatch.setattr(gdn, "_interpreted", lambda: False)
+    assert gdn._delta_rule_configs(True, 2)["BLOCK_V"] == 64  # 128-byte state rows
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(2, 1, 2, 64, 64)
+    state = rnd(2, 2, 64, 64, scale=0.3)
+    init = state.clone()
+    slots = torch.tensor([1, 0], device=DEV)
+    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots)
+    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, torch.arange(3, dtype=torch.int32),
+                                          initial_state=init[slots])
+    assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-2
