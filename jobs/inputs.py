@@ -1,8 +1,9 @@
 """Input Parquet files: finding them, validating them against a schema, fingerprints, reading rows.
 
 Job-level problems (unreadable or empty file, missing column, wrong type, null or duplicate ids, ids of
-different types across files) raise InputError here, before any work starts. Row-level problems (a null
-prompt, a malformed message list) are left to `jobs.requests`, which turns them into error rows.
+different types across files, a row with neither or both of prompt / messages) raise InputError here,
+before any work starts. Row-level problems (a malformed message list, invalid per-row sampling values)
+are left to `jobs.requests`, which turns them into error rows.
 """
 
 from __future__ import annotations
@@ -136,12 +137,14 @@ def column_type(files: Sequence[InputFile], column: str) -> pa.DataType:
     return next(iter(found.values()))
 
 
-def check_ids(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
-    """Null or duplicate ids are a job-level error, reported with file and row, before any work."""
+def check_rows(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
+    """One pass over the inputs before any work: null or duplicate ids, and rows without exactly one of
+    prompt / messages, are job-level errors reported with file, row, id and column."""
     arrays = []
     for f in files:
+        pf = pq.ParquetFile(f.path)
         try:
-            col = pq.read_table(f.path, columns=["id"]).column("id").combine_chunks()
+            col = pf.read(columns=["id"]).column("id").combine_chunks()
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"{f.path}: cannot read column 'id' ({e})") from None
         nulls = col.null_count
@@ -151,6 +154,7 @@ def check_ids(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
                 f"{f.path}: column 'id' has {nulls} null value(s), first at row {first}; "
                 "expected a unique non-null id on every row"
             )
+        _check_prompt_or_messages(f.path, pf, col)
         arrays.append(col.cast(id_arrow_type))
     ids = pa.chunked_array(arrays, type=id_arrow_type)
     counts = pc.value_counts(ids)
@@ -167,6 +171,61 @@ def check_ids(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
             f"column 'id' has {len(dup)} duplicated value(s); id {value!r} appears at "
             f"{', '.join(where)}; ids must be unique across all input files"
         )
+
+
+def _check_prompt_or_messages(path: str, pf: pq.ParquetFile, ids: pa.Array) -> None:
+    """Each row needs exactly one of a non-null prompt / messages (a row cannot be judged otherwise).
+
+    Kept cheap: prompt text is read only for row groups whose statistics do not settle its nulls, and
+    messages only through its first leaf column (the roles), which carries the lists' nulls without
+    decoding their contents.
+    """
+    names = pf.schema_arrow.names
+    leaves = [pf.schema.column(i).path for i in range(len(pf.schema))]
+    leaf = next((c for c in leaves if c.split(".")[0] == "messages"), None) if "messages" in names else None
+    start = 0
+    for g in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        prompt = _validity(path, pf, g, "prompt", n) if "prompt" in names else np.zeros(n, dtype=bool)
+        if leaf is None and prompt.all():
+            start += n
+            continue
+        messages = _validity(path, pf, g, leaf, n) if leaf else np.zeros(n, dtype=bool)
+        neither = "column 'prompt' is null and " + (
+            "column 'messages' is null" if leaf else "the file has no 'messages' column"
+        )
+        for bad, what in (
+            (~prompt & ~messages, neither),
+            (prompt & messages, "columns 'prompt' and 'messages' are both set"),
+        ):
+            hits = np.flatnonzero(bad)
+            if len(hits):
+                row = start + int(hits[0])
+                more = f" ({len(hits)} such rows in its row group)" if len(hits) > 1 else ""
+                raise InputError(
+                    f"{path}: row {row} (id {ids[row].as_py()!r}): {what}{more}; expected exactly one "
+                    "of prompt / messages on every row"
+                )
+        start += n
+
+
+def _validity(path: str, pf: pq.ParquetFile, group: int, column: str, rows: int) -> np.ndarray:
+    """Which rows of a row group are non-null in `column` (a top-level column or a leaf path), from
+    the column statistics where they settle it, else by reading that one column."""
+    meta = pf.metadata.row_group(group)
+    for i in range(meta.num_columns):
+        chunk = meta.column(i)
+        stats = chunk.statistics
+        if chunk.path_in_schema == column and stats is not None and stats.has_null_count:
+            if stats.null_count == 0:
+                return np.ones(rows, dtype=bool)
+            if stats.null_count == rows and "." not in column:  # a leaf's count also holds empty lists
+                return np.zeros(rows, dtype=bool)
+    try:
+        arr = pf.read_row_group(group, columns=[column]).column(0)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InputError(f"{path}: cannot read column {column.split('.')[0]!r} ({e})") from None
+    return ~arr.is_null().to_numpy(zero_copy_only=False)
 
 
 class RowGroupCache:

@@ -123,10 +123,11 @@ def build_plan(
     keep_columns: Sequence[str] = (),
     engine: str = DEFAULT_ENGINE,
     engine_args: dict[str, str] | None = None,
-    check_ids: bool = True,
+    check_rows: bool = True,
 ) -> Plan:
-    """Validate the inputs and describe the job. `check_ids=False` skips the id scan (used when only
-    comparing against an existing plan, whose fingerprints already vouch for the ids)."""
+    """Validate the inputs and describe the job. `check_rows=False` skips the row scan (ids, prompt /
+    messages; used when only comparing against an existing plan, whose fingerprints already vouch for
+    the rows)."""
     if chunk_rows < 1:
         raise InputError(f"chunk_rows must be >= 1, got {chunk_rows}")
     try:
@@ -144,8 +145,8 @@ def build_plan(
                 f"output columns are {sorted(reserved)}"
             )
         inputs.column_type(files, c)
-    if check_ids:
-        inputs.check_ids(files, id_type)
+    if check_rows:
+        inputs.check_rows(files, id_type)
     total = sum(f.rows for f in files)
     num_shards = num_shards or math.ceil(total / DEFAULT_SHARD_ROWS)
     if num_shards < 1:

@@ -1,8 +1,10 @@
 """Input rows -> engine requests, engine results -> output rows.
 
-Row-level problems become error rows here instead of exceptions: a null prompt, both or neither of
-prompt/messages, a malformed message list, invalid per-row sampling values. Empty and over-long prompts
-are the engine's to judge (it owns the tokenizer and the context length) and come back `skipped`.
+Row-level problems become error rows here instead of exceptions: a malformed message list, invalid
+per-row sampling values. Empty and over-long prompts are the engine's to judge (it owns the tokenizer
+and the context length) and come back `skipped`. A row with neither or both of prompt / messages is
+refused while planning (`jobs.inputs.check_rows`); it becomes an error row here only in jobs planned
+before that check existed, rather than reaching the engine as a request with nothing to generate from.
 Seeds: a row's own `seed`, else `derive_seed(job seed, id)`, so a resumed or re-sharded job samples
 the same row the same way.
 """

@@ -37,20 +37,26 @@ def model_dir(tmp: Path) -> Path:
 
 
 def write_inputs(tmp: Path, files: int = 3, rows: int = 20, bad: bool = True) -> list[Path]:
-    """`files` Parquet files of `rows` rows each, ids 0.. in order. With `bad`, each file has a null
-    prompt (row 1), an empty prompt (row 2), an over-long prompt (row 3) and an engine failure (row 4)."""
+    """`files` Parquet files of `rows` rows each, ids 0.. in order. With `bad`, each file has an invalid
+    per-row max_tokens (row 1), an empty prompt (row 2), an over-long prompt (row 3) and an engine failure
+    (row 4): rows that become output rows, not job-level errors."""
     paths = []
     d = tmp / "in"
     d.mkdir(exist_ok=True)
     for f in range(files):
         ids = list(range(f * rows, (f + 1) * rows))
-        prompts: list[str | None] = [f"row {i} says hello to the world {i % 7}" for i in ids]
+        prompts = [f"row {i} says hello to the world {i % 7}" for i in ids]
+        max_tokens: list[int | None] = [None] * rows
         if bad and rows >= 5:
-            prompts[1] = None
+            max_tokens[1] = 0
             prompts[2] = ""
             prompts[3] = "word " * 3000
             prompts[4] = "please FAIL here"
-        table = pa.table({"id": ids, "prompt": prompts, "topic": [f"t{i % 3}" for i in ids]})
+        table = pa.table(
+            {"id": ids, "prompt": prompts, "topic": [f"t{i % 3}" for i in ids], "max_tokens": max_tokens},
+            schema=pa.schema([("id", pa.int64()), ("prompt", pa.string()), ("topic", pa.string()),
+                              ("max_tokens", pa.int64())]),
+        )  # fmt: skip
         path = d / f"part-{f}.parquet"
         pq.write_table(table, path, row_group_size=7)
         paths.append(path)

@@ -166,15 +166,34 @@ def test_changed_input_refused_then_force_new_plan(tmp_path):
     assert "now prompt different a" in q.stdout
 
 
-def test_null_prompt_is_an_error_row_not_a_dead_job(tmp_path):
-    d = tmp_path / "in"
-    d.mkdir()
-    pq.write_table(pa.table({"id": ["a", "b"], "prompt": [None, "fine words"]}), d / "x.parquet")
+def test_null_prompt_is_a_job_level_error_and_loses_nothing(tmp_path):
     model_dir(tmp_path)
-    r = run_cli(*echo_args(tmp_path, tmp_path / "out"))
-    assert r.returncode == 0 and "1 errors" in r.stderr
-    q = run_cli("query", str(tmp_path / "out"), "SELECT id, finish_reason, error FROM latest ORDER BY id")
-    assert "prompt is null" in q.stdout and "stop" in q.stdout
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": ["fine", None, "more"]}), bad / "x.parquet")
+    new = tmp_path / "new"
+    bad_run = ["run", "--input", str(bad), "--model", str(tmp_path / "model"), "--engine", ECHO, "--progress",
+               "none", "--output"]  # fmt: skip
+    r = run_cli(*bad_run, str(new))
+    assert r.returncode == 2, r.stderr
+    assert "x.parquet: row 1 (id 'b'): column 'prompt' is null" in r.stderr and "Traceback" not in r.stderr
+    assert not (new / "plan.json").exists() and not list(new.glob("shards/*/*"))
+    # an existing job with committed results: a new plan over the bad file is refused before the old
+    # results are set aside, and so is an input file rewritten with a null prompt
+    paths = write_inputs(tmp_path, files=2, rows=10, bad=False)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out, "--shards", "2", "--shard", "0")).returncode == 0
+    before, plan = _digest(out), (out / "plan.json").read_bytes()
+    assert before
+    r = run_cli(*bad_run, str(out), "--force-new-plan")
+    assert r.returncode == 2 and "row 1 (id 'b'): column 'prompt' is null" in r.stderr
+    t = pq.read_table(paths[1]).to_pydict()
+    t["prompt"][3] = None
+    pq.write_table(pa.table(t), paths[1])
+    r = run_cli("run", "--output", str(out))
+    assert r.returncode == 2 and "the inputs changed since the plan was made" in r.stderr
+    assert _digest(out) == before and (out / "plan.json").read_bytes() == plan
+    assert not (out / "superseded").exists()
 
 
 def test_retry_errors(tmp_path):

@@ -32,8 +32,10 @@ def _inputs(tmp_path, files=2, rows=12):
         prompts = [
             f"The number {i} and the colour {'red green blue'.split()[i % 3]} are" for i in range(rows)
         ]
-        prompts[1], prompts[2], prompts[3] = None, "", "many words " * 80  # null, empty, over-long
-        pq.write_table(pa.table({"id": ids, "prompt": prompts}), d / f"p{f}.parquet")
+        prompts[2], prompts[3] = "", "many words " * 80  # empty, over-long
+        max_tokens = [0 if i == 1 else None for i in range(rows)]  # invalid per-row sampling value
+        table = pa.table({"id": ids, "prompt": prompts, "max_tokens": pa.array(max_tokens, pa.int64())})
+        pq.write_table(table, d / f"p{f}.parquet")
     return d
 
 
@@ -68,7 +70,7 @@ def test_real_engine_job_with_bad_rows(tmp_path, checkpoint):
     for f in range(2):
         assert latest[f"r{f}-01"][1:3] == (
             "error",
-            "prompt is null; each row needs a non-null prompt or messages",
+            "invalid sampling parameters: max_tokens must be >= 1, got 0",
         )
         assert latest[f"r{f}-02"][1] == "skipped" and latest[f"r{f}-02"][2]
         assert latest[f"r{f}-03"][1] == "skipped" and "64" in latest[f"r{f}-03"][2]  # beyond max_model_len

@@ -58,7 +58,7 @@ def test_changed_input_file_is_refused_with_what_changed(tmp_path):
     with pytest.raises(PlanMismatchError, match=r"part-1.parquet: (size changed|content changed)"):
         plans.verify_inputs(first)
     with pytest.raises(PlanMismatchError, match=r"changed: input file changed: .*part-1.parquet"):
-        plans.open_or_create(_plan(tmp_path, check_ids=False))
+        plans.open_or_create(_plan(tmp_path, check_rows=False))
 
 
 def test_changed_parameters_are_refused_and_listed(tmp_path):
@@ -117,6 +117,56 @@ def test_job_level_input_errors(tmp_path, table, message):
     _write(tmp_path, "bad.parquet", table)
     with pytest.raises(InputError, match=message):
         _plan(tmp_path)
+
+
+USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    "columns, message",
+    [
+        ({"prompt": ["a", None, "c", None]},
+         r"bad.parquet: row 1 \(id 11\): column 'prompt' is null and the file has no 'messages' column "
+         r"\(2 such rows in its row group\)"),
+        ({"prompt": ["a", "b", None, "d"], "messages": [None, None, None, USER]},
+         r"bad.parquet: row 2 \(id 12\): column 'prompt' is null and column 'messages' is null"),
+        ({"messages": [USER, None, [], None]},
+         r"bad.parquet: row 1 \(id 11\): column 'prompt' is null and column 'messages' is null"),
+        ({"prompt": ["a", "b", None, "d"], "messages": [None, None, [], USER]},
+         r"bad.parquet: row 3 \(id 13\): columns 'prompt' and 'messages' are both set"),
+    ],
+)  # fmt: skip
+def test_rows_without_exactly_one_of_prompt_messages_are_job_level(tmp_path, columns, message):
+    _write(tmp_path, "bad.parquet", pa.table({"id": [10, 11, 12, 13], **columns}))
+    with pytest.raises(InputError, match=message):
+        _plan(tmp_path)
+
+
+def test_prompt_scan_trusts_statistics_and_reads_only_what_it_must(tmp_path, monkeypatch):
+    d = tmp_path / "in"
+    d.mkdir()
+    n = 40
+    pq.write_table(pa.table({"id": list(range(n)), "prompt": [f"p{i}" for i in range(n)]}), d / "a.parquet",
+                   row_group_size=10)  # fmt: skip
+    prompts = [f"p{i}" for i in range(n)]
+    msgs = [None] * n
+    prompts[33], msgs[33] = None, [{"role": "user", "content": "hi"}]  # valid: messages instead of prompt
+    pq.write_table(pa.table({"id": list(range(n, 2 * n)), "prompt": prompts, "messages": msgs}),
+                   d / "b.parquet", row_group_size=10)  # fmt: skip
+    reads = []
+    original = pq.ParquetFile.read_row_group
+
+    def counting(self, i, columns=None, **kw):
+        reads.append((i, tuple(columns)))
+        return original(self, i, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    assert _plan(tmp_path).doc["total_rows"] == 2 * n
+    # a.parquet: no null prompts by its statistics, no messages column: nothing read beyond the ids.
+    # b.parquet: prompt text only in the group holding the null; messages only by its roles leaf.
+    assert sorted(reads) == [(0, ("messages.list.element.role",)), (1, ("messages.list.element.role",)),
+                             (2, ("messages.list.element.role",)), (3, ("messages.list.element.role",)),
+                             (3, ("prompt",))]  # fmt: skip
 
 
 def test_empty_and_corrupt_files(tmp_path):

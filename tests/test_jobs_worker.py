@@ -61,7 +61,7 @@ def test_job_over_several_files_with_bad_rows(tmp_path):
     for base in (0, 20, 40):
         assert latest[base + 1][1:3] == (
             "error",
-            "prompt is null; each row needs a non-null prompt or messages",
+            "invalid sampling parameters: max_tokens must be >= 1, got 0",
         )
         assert latest[base + 2][1:3] == ("skipped", "empty prompt")
         assert latest[base + 3][1] == "skipped" and "beyond the context length" in latest[base + 3][2]
@@ -172,10 +172,10 @@ def test_retry_attempt_reruns_only_failed_rows_and_keeps_history(tmp_path):
     assert attempt == 2 and attempts.incomplete_shards(p) == sorted(rows)
     fixed = Counting(EchoEngine(str(model_dir(tmp_path))))  # no fail_marker: the transient error is gone
     worker.run_shards(p, attempts.incomplete_shards(p), fixed)
-    assert fixed.requests == 2  # the null-prompt rows are job-layer errors and never reach the engine
+    assert fixed.requests == 2  # the bad max_tokens rows are job-layer errors and never reach the engine
     latest = _latest(p.job_dir)
     assert latest[4][1:] == ("stop", None, 2) and latest[14][1:] == ("stop", None, 2)
-    assert latest[1][1:] == ("error", "prompt is null; each row needs a non-null prompt or messages", 2)
+    assert latest[1][1:] == ("error", "invalid sampling parameters: max_tokens must be >= 1, got 0", 2)
     assert latest[0][3] == 1
     n = query.connect(p.job_dir).sql("SELECT count(*) FROM results").fetchall()[0][0]
     assert n == 24 and attempts.incomplete_shards(p) == []
@@ -185,11 +185,11 @@ def test_messages_input(tmp_path):
     d = tmp_path / "in"
     d.mkdir()
     msgs = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
-            [{"role": "user", "content": None}], None]  # fmt: skip
+            [{"role": "user", "content": None}], []]  # fmt: skip
     pq.write_table(pa.table({"id": ["a", "b", "c"], "messages": msgs}), d / "chat.parquet")
     p = _job(tmp_path, shards=1)
     worker.run_shard(p, 0, _engine(tmp_path))
     latest = _latest(p.job_dir)
     assert latest["a"][:2] == ("there hello brief be", "stop")
     assert latest["b"][1:3] == ("error", "messages[0].content is null; expected a string")
-    assert latest["c"][1] == "error"
+    assert latest["c"][1:3] == ("error", "messages is an empty list")

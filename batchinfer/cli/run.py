@@ -143,20 +143,22 @@ def run_command(
     if not args.get("output"):
         raise click.UsageError("--output DIR is required (or `output` in the job spec)")
     job_dir = Path(args["output"]).resolve()
-    if force_new_plan:
-        plans.set_aside(job_dir)
-    if (job_dir / PLAN_FILE).exists():
+    if (job_dir / PLAN_FILE).exists() and not force_new_plan:
         plan = plans.Plan.load(job_dir)
         if any(k in args for k in PLAN_KEYS):
-            plan = plans.open_or_create(_build(job_dir, args, plan.doc, check_ids=False))
+            plan = plans.open_or_create(_build(job_dir, args, plan.doc, check_rows=False))
         plans.verify_inputs(plan)
     else:
         missing = [k for k in ("input", "model") if not args.get(k)]
         if missing:
             raise InputError(
-                f"{job_dir}: no plan.json yet, so a new job needs " + " and ".join(f"--{m}" for m in missing)
+                f"{job_dir}: {'--force-new-plan' if force_new_plan else 'no plan.json yet, so'} a new job "
+                "needs " + " and ".join(f"--{m}" for m in missing)
             )
-        plan = plans.open_or_create(_build(job_dir, args, None, check_ids=True))
+        candidate = _build(job_dir, args, None, check_rows=True)  # bad inputs stop here, before set_aside
+        if force_new_plan:
+            plans.set_aside(job_dir)
+        plan = plans.open_or_create(candidate)
     for s in shard_ids:
         plan.shard_range(s)
     if plan_only:
@@ -177,7 +179,7 @@ def run_command(
     sys.exit(code)
 
 
-def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, check_ids: bool) -> Any:
+def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, check_rows: bool) -> Any:
     """The plan `args` describe; unspecified fields come from the existing plan `old` (or defaults)."""
     from batchinfer.engine.api import SamplingParams
     from batchinfer.jobs import plan as plans
@@ -197,7 +199,7 @@ def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, chec
         keep_columns=pick("keep_columns", []),
         engine=args.get("engine") or (old["engine"]["factory"] if old else plans.DEFAULT_ENGINE),
         engine_args=args["engine_args"] if "engine_args" in args else (old["engine"]["args"] if old else {}),
-        check_ids=check_ids,
+        check_rows=check_rows,
     )
 
 
