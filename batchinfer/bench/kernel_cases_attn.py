@@ -18,7 +18,8 @@ from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotati
 from batchinfer.kernels.attention import decode_attention, prefill_attention, qk_norm_rope, rope_inv_freq
 from batchinfer.kernels.gdn import causal_conv1d, causal_conv1d_update, gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
-from batchinfer.kernels.small_ops import add_rmsnorm, sample, silu_mul
+from batchinfer.kernels.sampling import sample
+from batchinfer.kernels.small_ops import add_rmsnorm, silu_mul
 from batchinfer.models.config import ModelConfig
 
 BF16 = torch.bfloat16
@@ -177,7 +178,8 @@ def _sample(cfg: ModelConfig, batch: int, filtered: bool, dev: torch.device) -> 
         return idx.gather(1, torch.multinomial(srt.softmax(-1), 1))
 
     baselines = {"torch": torch_sample} if filtered else {"argmax": lambda i: logits[i].argmax(-1)}
-    return Timed(run=lambda i: sample(logits[i], temp, top_k, top_p, seeds, steps), n_sets=sets,
+    return Timed(run=lambda i: sample(logits[i], temp, top_k, top_p, seeds, steps, filtered=filtered),
+                 n_sets=sets,
                  bytes=4 * batch * V, flops=0, baselines=baselines)
 
 

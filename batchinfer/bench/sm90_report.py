@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from batchinfer.kernels import attention, gdn, gdn_chunk, small_ops
+from batchinfer.kernels import attention, gdn, gdn_chunk, sampling, small_ops
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.int64: "*i64", torch.uint8: "*u8"}
@@ -37,7 +37,7 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     """Run `launch()` with every kernel launch of our modules recorded instead of made; returns the
     (args, kwargs) of `kernel`'s launch."""
     seen: dict[str, tuple[tuple, dict]] = {}
-    kernels = [k for mod in (attention, gdn, gdn_chunk, small_ops) for k in vars(mod).values()
+    kernels = [k for mod in (attention, gdn, gdn_chunk, sampling, small_ops) for k in vars(mod).values()
                if isinstance(k, triton.JITFunction)]
     for k in kernels:
         k.run = lambda *args, grid, warmup, _k=k, **kwargs: seen.setdefault(_k.__name__, (args, kwargs))
@@ -143,10 +143,11 @@ def _small_op_launches() -> Iterator[tuple]:
     yield "I=512", small_ops._silu_mul_kernel, lambda: small_ops.silu_mul(_t(T, 1024))
     yield "D=2048", small_ops._embedding_kernel, lambda: small_ops.embedding(torch.arange(T), x)
     ones, k = torch.ones(n), torch.ones(n, dtype=torch.int32)
-    draw = lambda: small_ops.sample(_t(n, V, dtype=torch.float32), ones, k, ones, torch.arange(n),
-                                    torch.zeros(n, dtype=torch.int64))
-    yield f"V={V}", small_ops._sample_partial_kernel, draw
-    yield f"V={V}", small_ops._sample_kernel, draw
+    draw = lambda: sampling.sample(_t(n, V, dtype=torch.float32), ones, k, ones * 0.9, torch.arange(n),
+                                   torch.zeros(n, dtype=torch.int64))
+    for kernel in (sampling._partial_kernel, sampling._init_kernel, sampling._search_kernel,
+                   sampling._draw_kernel, sampling._finish_kernel):
+        yield f"V={V}", kernel, draw
 
 
 def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
