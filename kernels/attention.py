@@ -54,46 +54,46 @@ def _decode_configs(head_dim: int) -> dict[str, int]:
 
 
 @triton.jit
-def _norm_rope_row(x_ptr, w_ptr, out_ptr, pos, inv_freq_ptr, eps,
-                   HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, ONE_PLUS: tl.constexpr):
+def _norm_rope_heads(x_ptr, stride_xh, NH, w_ptr, out_ptr, stride_oh, pos, inv_freq_ptr, eps,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROT_HALF: tl.constexpr,
+                     ONE_PLUS: tl.constexpr):
+    """RMSNorm + NeoX RoPE of one token's `NH` heads (`[BLOCK_H, HEAD_DIM]` tile)."""
+    offs_h = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, HEAD_DIM)
+    h_ok = (offs_h < NH)[:, None]
     rotated = offs < 2 * ROT_HALF
     partner = tl.where(offs < ROT_HALF, offs + ROT_HALF, tl.where(rotated, offs - ROT_HALF, offs))
-    x = tl.load(x_ptr + offs).to(tl.float32)
-    xp = tl.load(x_ptr + partner).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+    rows = x_ptr + offs_h[:, None] * stride_xh
+    x = tl.load(rows + offs[None, :], mask=h_ok, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=h_ok, other=0.0).to(tl.float32)
+    rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
     w = tl.load(w_ptr + offs).to(tl.float32)
     wp = tl.load(w_ptr + partner).to(tl.float32)
     if ONE_PLUS:
         w += 1.0
         wp += 1.0
-    y = x * rstd * w
-    yp = xp * rstd * wp
+    y = x * rstd * w[None, :]
+    yp = xp * rstd * wp[None, :]
     freq = pos * tl.load(inv_freq_ptr + offs % ROT_HALF, mask=rotated, other=0.0)
-    rot = tl.where(offs < ROT_HALF, -yp, yp)  # NeoX rotate_half: pairs (i, i + ROT_HALF)
-    out = tl.where(rotated, y * tl.cos(freq) + rot * tl.sin(freq), y)
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty))
+    rot = tl.where((offs < ROT_HALF)[None, :], -yp, yp)  # NeoX rotate_half: pairs (i, i + ROT_HALF)
+    out = tl.where(rotated[None, :], y * tl.cos(freq)[None, :] + rot * tl.sin(freq)[None, :], y)
+    o_ptrs = out_ptr + offs_h[:, None] * stride_oh + offs[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,  #
-    H, eps,  #
+    H, HKV, eps,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,  #
-    HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, ONE_PLUS: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROT_HALF: tl.constexpr, ONE_PLUS: tl.constexpr,  #
 ):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.float32)
-    if h < H:
-        _norm_rope_row(q_ptr + t * stride_qt + h * stride_qh, qw_ptr,
-                       q_out_ptr + t * stride_qot + h * stride_qoh, pos, inv_freq_ptr, eps,
-                       HEAD_DIM, ROT_HALF, ONE_PLUS)
-    else:
-        hk = h - H
-        _norm_rope_row(k_ptr + t * stride_kt + hk * stride_kh, kw_ptr,
-                       k_out_ptr + t * stride_kot + hk * stride_koh, pos, inv_freq_ptr, eps,
-                       HEAD_DIM, ROT_HALF, ONE_PLUS)
+    _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, H, qw_ptr, q_out_ptr + t * stride_qot, stride_qoh,
+                     pos, inv_freq_ptr, eps, HEAD_DIM, BLOCK_H, ROT_HALF, ONE_PLUS)
+    _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, HKV, kw_ptr, k_out_ptr + t * stride_kot, stride_koh,
+                     pos, inv_freq_ptr, eps, HEAD_DIM, BLOCK_H, ROT_HALF, ONE_PLUS)
 
 
 @triton.jit
@@ -274,12 +274,13 @@ def qk_norm_rope(
                          f"{Dh // 2}, got {tuple(positions.shape)} and {inv_freq.dtype} [{inv_freq.numel()}]")
     q_out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
     k_out = torch.empty((T, Hkv, Dh), dtype=k.dtype, device=k.device)
-    _qk_norm_rope_kernel[(T, H + Hkv)](
+    _qk_norm_rope_kernel[(T,)](  # one program per token: all its q and k heads
         q, k, q_weight, k_weight, positions, inv_freq, q_out, k_out,
-        H, eps,
+        H, Hkv, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        HEAD_DIM=Dh, ROT_HALF=inv_freq.numel(), ONE_PLUS=one_plus, num_warps=1 if Dh <= 128 else 2,
+        HEAD_DIM=Dh, BLOCK_H=triton.next_power_of_2(max(H, Hkv)), ROT_HALF=inv_freq.numel(),
+        ONE_PLUS=one_plus, num_warps=4,
     )
     return q_out, k_out
 
