@@ -160,7 +160,7 @@ def test_production_tiles(monkeypatch, Dh, gated):
     assert rel_err(out, prefill_attention_ref(q, k, v, cu, gate=gate)) < 1e-2
     kc, vc = _cache(3, Hkv, 600, Dh)
     slot_ids = torch.tensor([2, 0], device=DEV)
-    seq_lens = torch.tensor([600, 257], dtype=torch.int32, device=DEV)  # 3 and 2 splits of 256
+    seq_lens = torch.tensor([600, 257], dtype=torch.int32, device=DEV)  # split-KV, ragged last split
     out = decode_attention(q[:2], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:2],
                            config=decode_cfg)
     ref = decode_attention_ref(q[:2], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:2])

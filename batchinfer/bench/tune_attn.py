@@ -93,7 +93,7 @@ def _decode_point(dev: torch.device, H: int, Hkv: int, Dh: int, B: int, L: int) 
     ref = decode_attention_ref(q, *caches[0], slots, lens)
     configs = [_decode_configs(Dh)] + [dict(BLOCK_N=bn, num_warps=w, num_stages=s, MIN_SPLIT=256)
                                        for bn, w, s in DECODE]
-    configs += [dict(_decode_configs(Dh), MIN_SPLIT=ms) for ms in (128, 512, 1024)]
+    configs += [dict(_decode_configs(Dh), MIN_SPLIT=ms) for ms in (128, 256, 512)]
     run = lambda c, i: decode_attention(q, *caches[i], slots, lens, max_seqlen=L, config=dict(c))
     rows = _sweep(f"decode Dh={Dh} B={B}", configs, run, lambda c: run(c, 0), ref, 2, {"batch": B, "ctx": L})
     for row in rows:
