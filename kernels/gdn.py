@@ -10,8 +10,11 @@ Layouts (last dim contiguous, row strides free so q/k/v can be views of the conv
 - recurrent state pool `[slots, Hv, Dk, Dv]` fp32 (bf16 accepted: computed in fp32, stored rounded).
 Math (HF `Qwen3_5MoeGatedDeltaNet`): q, k l2-normalised in fp32 (q also scaled by Dk^-0.5), v-head h
 uses qk-head h // (Hv / Hk), `g = -exp(A_log) * softplus(a + dt_bias)`, `beta = sigmoid(b)`; per token
-`S = S * exp(g); S += k (x) (v - S^T k) * beta; o = S^T q`. Prefill runs the same token recurrence
-(state in registers, one program per (sequence, v-head, v-tile)), starting from a zero state.
+`S = S * exp(g); S += k (x) (v - S^T k) * beta; o = S^T q`. `gated_delta_rule(cu_seqlens=...)` runs
+the same token recurrence over whole prompts (state in registers, one program per (sequence, v-head,
+v-tile), from a zero state); `gdn_chunk.chunk_gated_delta_rule` computes the same function 64 tokens
+at a time on tensor cores and is the prefill path for long prompts (measured 2026-11-30: the token
+recurrence takes 3.25 ms for 4 x 1024 tokens).
 Numerics: all fp32; expected error vs `*_ref` ~1e-3 relative (bf16 inputs/outputs).
 """
 

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
-from batchinfer.kernels.attention import decode_attention, prefill_attention, qk_norm_rope, rope_inv_freq
+from batchinfer.kernels.attention import decode_attention, prefill_attention
 from batchinfer.kernels.gdn import causal_conv1d, causal_conv1d_update, gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
+from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
 from batchinfer.kernels.sampling import sample
 from batchinfer.kernels.small_ops import add_rmsnorm, silu_mul
 from batchinfer.models.config import ModelConfig

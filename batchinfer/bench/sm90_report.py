@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from batchinfer.kernels import attention, gdn, gdn_chunk, sampling, small_ops
+from batchinfer.kernels import attention, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.int64: "*i64", torch.uint8: "*u8"}
@@ -37,7 +37,8 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     """Run `launch()` with every kernel launch of our modules recorded instead of made; returns the
     (args, kwargs) of `kernel`'s launch."""
     seen: dict[str, tuple[tuple, dict]] = {}
-    kernels = [k for mod in (attention, gdn, gdn_chunk, sampling, small_ops) for k in vars(mod).values()
+    kernels = [k for mod in (attention, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops)
+               for k in vars(mod).values()
                if isinstance(k, triton.JITFunction)]
     for k in kernels:
         k.run = lambda *args, grid, warmup, _k=k, **kwargs: seen.setdefault(_k.__name__, (args, kwargs))
@@ -100,8 +101,8 @@ def _attention_launches(H: int, Hkv: int, Dh: int, rot: int, gated: bool) -> Ite
     q, gate = qg[..., :Dh], qg[..., Dh:] if gated else None
     k, v = _t(T, Hkv, Dh), _t(T, Hkv, Dh)
     cu = torch.tensor([0, T], dtype=torch.int32)
-    w, inv = _t(Dh), attention.rope_inv_freq(rot, 1e7)
-    yield f"Dh={Dh}", attention._qk_norm_rope_kernel, lambda: attention.qk_norm_rope(
+    w, inv = _t(Dh), qk_norm_rope.rope_inv_freq(rot, 1e7)
+    yield f"Dh={Dh}", qk_norm_rope._qk_norm_rope_kernel, lambda: qk_norm_rope.qk_norm_rope(
         q, k, w, w, torch.arange(T), inv, 1e-6, gated)
     yield f"Dh={Dh}", attention._prefill_attn_kernel, lambda: attention.prefill_attention(
         q, k, v, cu, T, gate=gate)

@@ -1,0 +1,56 @@
+"""Fused q/k RMSNorm + RoPE against its fp32 reference (interpreter on CPU, real shapes on the GPU)."""
+
+import pytest
+import torch
+from batchinfer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DT = torch.bfloat16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
+    return float((out - ref).norm() / ref.norm())
+
+
+def rnd(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).to(DT).to(DEV)
+
+
+@pytest.mark.parametrize("H,Hkv,Dh,rot,one_plus", [(4, 2, 64, 16, True), (4, 1, 32, 32, False)])
+def test_qk_norm_rope(H, Hkv, Dh, rot, one_plus):
+    T = 5
+    qg = rnd(T, H, 2 * Dh)  # q interleaved with its gate, as Qwen3.5's q_proj emits it
+    q = qg[..., :Dh]
+    k = rnd(T, Hkv, Dh)
+    qw, kw = rnd(Dh, scale=0.3), rnd(Dh, scale=0.3)
+    pos = torch.tensor([0, 1, 7, 300, 70000], device=DEV)
+    inv_freq = rope_inv_freq(rot, 1e7, DEV)
+    qo, ko = qk_norm_rope(q, k, qw, kw, pos, inv_freq, 1e-6, one_plus)
+    qr, kr = qk_norm_rope_ref(q, k, qw, kw, pos, inv_freq, 1e-6, one_plus)
+    assert rel_err(qo, qr) < 1e-2 and rel_err(ko, kr) < 1e-2
+    if rot < Dh:  # pass-through dims are only normalised
+        assert rel_err(qo[..., rot:], qr[..., rot:]) < 1e-2
+
+
+def test_rope_rotates_pairs_half_apart():
+    """NeoX rotate-half: position p rotates (x_i, x_{i+R/2}) by p * inv_freq_i; norms are preserved."""
+    Dh = 16
+    q = rnd(2, 1, Dh)
+    k = rnd(2, 1, Dh)
+    w = torch.zeros(Dh, device=DEV)
+    inv_freq = rope_inv_freq(Dh, 1e4, DEV)
+    qo, _ = qk_norm_rope(q, k, w, w, torch.tensor([0, 3], device=DEV), inv_freq, 1e-6, True)
+    qn = qk_norm_rope_ref(q, k, w, w, torch.tensor([0, 0], device=DEV), inv_freq, 1e-6, True)[0]
+    assert rel_err(qo[0], qn[0]) < 1e-2  # position 0 is the identity rotation
+    a, b = qn[1, 0, 0].item(), qn[1, 0, Dh // 2].item()
+    c, s = torch.cos(torch.tensor(3.0)).item(), torch.sin(torch.tensor(3.0)).item()
+    assert abs(qo[1, 0, 0].item() - (a * c - b * s)) < 2e-2
+    assert abs(qo[1, 0, Dh // 2].item() - (b * c + a * s)) < 2e-2
+
+
+def test_rejects_bad_weight():
+    with pytest.raises(ValueError, match="k_weight: expected shape"):
+        qk_norm_rope(rnd(2, 4, 64), rnd(2, 1, 64), rnd(64), rnd(32), torch.arange(2, device=DEV),
+                     rope_inv_freq(16, 1e4, DEV), 1e-6, True)
