@@ -3,11 +3,8 @@
 import pytest
 import torch
 from batchinfer.kernels import gdn
+from batchinfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
 from batchinfer.kernels.gdn import (
-    causal_conv1d,
-    causal_conv1d_ref,
-    causal_conv1d_update,
-    causal_conv1d_update_ref,
     gated_delta_rule,
     gated_delta_rule_ref,
     gated_rmsnorm,
@@ -39,45 +36,6 @@ def _gdn_inputs(T, Hk, Hv, Dk, Dv):
     A_log = (torch.rand(Hv) * 2 - 1).to(DEV)
     dt_bias = rnd(Hv, dtype=torch.float32)
     return q, k, v, a, b, A_log, dt_bias
-
-
-@pytest.mark.parametrize("C,K", [(80, 4), (64, 2)])
-def test_causal_conv1d_prefill(C, K):
-    lens = [1, 2, 21]
-    cu = torch.tensor([0, 1, 3, 24], dtype=torch.int32, device=DEV)
-    x = rnd(24, 2 * C)[:, :C]  # a strided view, like q|k|v out of a wider projection
-    w = rnd(C, K, scale=0.5)
-    state = torch.full((5, K - 1, C), float("nan"), dtype=BF16, device=DEV)
-    slots = torch.tensor([3, 0, 4], device=DEV)
-    out = causal_conv1d(x, w, cu, max(lens), state, slots)
-    ref, ref_state = causal_conv1d_ref(x, w, cu)
-    assert rel_err(out, ref) < 1e-2
-    assert torch.equal(state[slots].float().cpu(), ref_state.cpu())  # exact input copies, zeros before start
-    assert torch.isnan(state[1].float()).all()  # untouched slots stay untouched
-
-
-def test_causal_conv1d_update_matches_prefill():
-    """Decoding token by token from a prefilled state gives the same outputs as one long prefill."""
-    C, K, L, P = 48, 4, 9, 5
-    x = rnd(L, C)
-    w = rnd(C, K, scale=0.5)
-    state = rnd(2, K - 1, C)
-    slot = torch.tensor([1], device=DEV)
-    causal_conv1d(x[:P], w, torch.tensor([0, P], dtype=torch.int32, device=DEV), P, state, slot)
-    full, _ = causal_conv1d_ref(x, w, torch.tensor([0, L], dtype=torch.int32))
-    for t in range(P, L):
-        ref_out, ref_state = causal_conv1d_update_ref(x[t : t + 1], w, state, slot)
-        out = causal_conv1d_update(x[t : t + 1], w, state, slot)
-        assert rel_err(out, ref_out) < 1e-2 and rel_err(out, full[t : t + 1]) < 1e-2
-        assert torch.equal(state.float().cpu(), ref_state.float().cpu())
-
-
-def test_causal_conv1d_update_padded_row():
-    C, K = 32, 4
-    state = rnd(1, K - 1, C)
-    before = state.clone()
-    out = causal_conv1d_update(rnd(2, C), rnd(C, K), state, torch.tensor([-1, -1], device=DEV))
-    assert torch.equal(out.float().cpu(), torch.zeros(2, C)) and torch.equal(state, before)
 
 
 @pytest.mark.parametrize("Hk,Hv,D", [(2, 4, 32), (1, 1, 16)])

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
 from batchinfer.kernels.attention import decode_attention, prefill_attention
-from batchinfer.kernels.gdn import causal_conv1d, causal_conv1d_update, gated_delta_rule, gated_rmsnorm
+from batchinfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
 from batchinfer.kernels.sampling import sample

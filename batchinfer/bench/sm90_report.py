@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from batchinfer.kernels import attention, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops
+from batchinfer.kernels import attention, causal_conv1d, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.int64: "*i64", torch.uint8: "*u8"}
@@ -37,7 +37,7 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     """Run `launch()` with every kernel launch of our modules recorded instead of made; returns the
     (args, kwargs) of `kernel`'s launch."""
     seen: dict[str, tuple[tuple, dict]] = {}
-    kernels = [k for mod in (attention, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops)
+    kernels = [k for mod in (attention, causal_conv1d, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops)
                for k in vars(mod).values()
                if isinstance(k, triton.JITFunction)]
     for k in kernels:
@@ -132,8 +132,9 @@ def _gdn_launches() -> Iterator[tuple]:
     yield "prefill", gdn_chunk._chunk_delta_rule_kernel, lambda: gdn_chunk.chunk_gated_delta_rule(
         q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu)
     cw, cs = _t(C, 4), _t(T, 3, C)
-    yield "prefill", gdn._conv1d_kernel, lambda: gdn.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])
-    yield "decode", gdn._conv1d_update_kernel, lambda: gdn.causal_conv1d_update(mixed, cw, cs, slots)
+    conv = causal_conv1d
+    yield "prefill", conv._conv1d_kernel, lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])
+    yield "decode", conv._conv1d_update_kernel, lambda: conv.causal_conv1d_update(mixed, cw, cs, slots)
     yield "", gdn._gated_rmsnorm_kernel, lambda: gdn.gated_rmsnorm(v, v, _t(D), 1e-6)
 
 

@@ -1,0 +1,73 @@
+"""Causal conv1d (prefill and rolling decode state) against its fp32 reference."""
+
+import pytest
+import torch
+from batchinfer.kernels.causal_conv1d import (
+    causal_conv1d,
+    causal_conv1d_ref,
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = torch.bfloat16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
+    return float((out - ref).norm() / ref.norm())
+
+
+def rnd(*shape, scale=1.0, dtype=BF16):
+    return (torch.randn(*shape) * scale).to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("C,K", [(80, 4), (64, 2)])
+def test_causal_conv1d_prefill(C, K):
+    lens = [1, 2, 21]
+    cu = torch.tensor([0, 1, 3, 24], dtype=torch.int32, device=DEV)
+    x = rnd(24, 2 * C)[:, :C]  # a strided view, like q|k|v out of a wider projection
+    w = rnd(C, K, scale=0.5)
+    state = torch.full((5, K - 1, C), float("nan"), dtype=BF16, device=DEV)
+    slots = torch.tensor([3, 0, 4], device=DEV)
+    out = causal_conv1d(x, w, cu, max(lens), state, slots)
+    ref, ref_state = causal_conv1d_ref(x, w, cu)
+    assert rel_err(out, ref) < 1e-2
+    assert torch.equal(state[slots].float().cpu(), ref_state.cpu())  # exact input copies, zeros before start
+    assert torch.isnan(state[1].float()).all()  # untouched slots stay untouched
+
+
+def test_causal_conv1d_update_matches_prefill():
+    """Decoding token by token from a prefilled state gives the same outputs as one long prefill."""
+    C, K, L, P = 48, 4, 9, 5
+    x = rnd(L, C)
+    w = rnd(C, K, scale=0.5)
+    state = rnd(2, K - 1, C)
+    slot = torch.tensor([1], device=DEV)
+    causal_conv1d(x[:P], w, torch.tensor([0, P], dtype=torch.int32, device=DEV), P, state, slot)
+    full, _ = causal_conv1d_ref(x, w, torch.tensor([0, L], dtype=torch.int32))
+    for t in range(P, L):
+        ref_out, ref_state = causal_conv1d_update_ref(x[t : t + 1], w, state, slot)
+        out = causal_conv1d_update(x[t : t + 1], w, state, slot)
+        assert rel_err(out, ref_out) < 1e-2 and rel_err(out, full[t : t + 1]) < 1e-2
+        assert torch.equal(state.float().cpu(), ref_state.float().cpu())
+
+
+def test_causal_conv1d_update_padded_row():
+    C, K = 32, 4
+    state = rnd(1, K - 1, C)
+    before = state.clone()
+    out = causal_conv1d_update(rnd(2, C), rnd(C, K), state, torch.tensor([-1, -1], device=DEV))
+    assert torch.equal(out.float().cpu(), torch.zeros(2, C)) and torch.equal(state, before)
+
+
+@pytest.mark.gpu
+def test_real_shapes_gpu():
+    C, K, B = 8192, 4, 64
+    x, w = rnd(B, C), rnd(C, K, scale=0.5)
+    state = rnd(B + 5, K - 1, C)
+    slots = torch.randperm(B + 5, device=DEV)[:B]
+    ref_out, ref_state = causal_conv1d_update_ref(x, w, state, slots)
+    out = causal_conv1d_update(x, w, state, slots)
+    assert rel_err(out, ref_out) < 1e-2 and torch.equal(state.float(), ref_state.float())
