@@ -69,8 +69,9 @@ def test_decode_attention(H, Hkv, Dh, gated, max_seqlen):
 def test_decode_attention_padded_rows_are_zero():
     kc, vc = _cache(2, 1, 32, 32)
     q = rnd(2, 2, 32)
-    out = decode_attention(q, kc, vc, torch.tensor([1, -1], device=DEV),
-                           torch.tensor([5, 0], dtype=torch.int32, device=DEV))
+    out = decode_attention(
+        q, kc, vc, torch.tensor([1, -1], device=DEV), torch.tensor([5, 0], dtype=torch.int32, device=DEV)
+    )
     assert torch.equal(out[1].float().cpu(), torch.zeros(2, 32))
     ref = decode_attention_ref(q, kc, vc, torch.tensor([1, 0]), torch.tensor([5, 0]))
     assert rel_err(out[0], ref[0]) < 1e-2
@@ -79,8 +80,13 @@ def test_decode_attention_padded_rows_are_zero():
 def test_decode_rejects_bad_cache():
     kc, vc = _cache(2, 1, 32, 32)
     with pytest.raises(ValueError, match="v_cache: expected shape"):
-        decode_attention(rnd(1, 2, 32), kc, vc[:, :, :16], torch.zeros(1, dtype=torch.long, device=DEV),
-                         torch.ones(1, dtype=torch.int32, device=DEV))
+        decode_attention(
+            rnd(1, 2, 32),
+            kc,
+            vc[:, :, :16],
+            torch.zeros(1, dtype=torch.long, device=DEV),
+            torch.ones(1, dtype=torch.int32, device=DEV),
+        )
 
 
 @pytest.mark.gpu
@@ -127,7 +133,8 @@ def test_production_tiles(monkeypatch, Dh, gated):
     kc, vc = _cache(3, Hkv, 600, Dh)
     slot_ids = torch.tensor([2, 0], device=DEV)
     seq_lens = torch.tensor([600, 257], dtype=torch.int32, device=DEV)  # split-KV, ragged last split
-    out = decode_attention(q[:2], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:2],
-                           config=decode_cfg)
+    out = decode_attention(
+        q[:2], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:2], config=decode_cfg
+    )
     ref = decode_attention_ref(q[:2], kc, vc, slot_ids, seq_lens, gate=None if gate is None else gate[:2])
     assert rel_err(out, ref) < 1e-2

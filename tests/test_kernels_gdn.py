@@ -59,8 +59,9 @@ def test_gated_delta_rule_decode(state_dtype, tol):
     slots = torch.tensor([4, 1, 2], device=DEV)
     init = state[slots].clone()
     out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots)
-    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias,
-                                          torch.arange(B + 1, dtype=torch.int32), initial_state=init)
+    ref, ref_final = gated_delta_rule_ref(
+        q, k, v, a, b, A_log, dt_bias, torch.arange(B + 1, dtype=torch.int32), initial_state=init
+    )
     assert rel_err(out, ref) < 1e-2
     assert rel_err(state[slots], ref_final) < tol
 
@@ -111,8 +112,9 @@ def test_real_shapes_gpu():
     dslots = torch.randperm(B + 4, device=DEV)[:B]
     init = dstate[dslots].clone()
     out = gated_delta_rule(qd, kd, vd, ad, bd, A_log, dt_bias, dstate, dslots)
-    ref, ref_final = gated_delta_rule_ref(qd, kd, vd, ad, bd, A_log, dt_bias,
-                                          torch.arange(B + 1, dtype=torch.int32), initial_state=init)
+    ref, ref_final = gated_delta_rule_ref(
+        qd, kd, vd, ad, bd, A_log, dt_bias, torch.arange(B + 1, dtype=torch.int32), initial_state=init
+    )
     assert rel_err(out, ref) < 1e-2 and rel_err(dstate[dslots], ref_final) < 1e-4
     z = rnd(B, Hv, D)
     nw = rnd(D)
@@ -127,15 +129,26 @@ def test_production_tiles(monkeypatch):
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(30, Hk, Hv, D, D)
     state = torch.empty(2, Hv, D, D, device=DEV)
     slots = torch.tensor([1, 0], device=DEV)
-    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu,
-                           config=gdn._delta_rule_configs(False))
+    out = gated_delta_rule(
+        q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu, config=gdn._delta_rule_configs(False)
+    )
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
     assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-4
     init = state.clone()
-    out = gated_delta_rule(q[:2], k[:2], v[:2], a[:2], b[:2], A_log, dt_bias, state, slots,
-                           config=gdn._delta_rule_configs(True))
-    ref, ref_final = gated_delta_rule_ref(q[:2], k[:2], v[:2], a[:2], b[:2], A_log, dt_bias,
-                                          torch.arange(3, dtype=torch.int32), initial_state=init[slots])
+    out = gated_delta_rule(
+        q[:2], k[:2], v[:2], a[:2], b[:2], A_log, dt_bias, state, slots, config=gdn._delta_rule_configs(True)
+    )
+    ref, ref_final = gated_delta_rule_ref(
+        q[:2],
+        k[:2],
+        v[:2],
+        a[:2],
+        b[:2],
+        A_log,
+        dt_bias,
+        torch.arange(3, dtype=torch.int32),
+        initial_state=init[slots],
+    )
     assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-4
 
 
@@ -147,6 +160,7 @@ def test_production_tiles_bf16_state(monkeypatch):
     init = state.clone()
     slots = torch.tensor([1, 0], device=DEV)
     out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots)
-    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, torch.arange(3, dtype=torch.int32),
-                                          initial_state=init[slots])
+    ref, ref_final = gated_delta_rule_ref(
+        q, k, v, a, b, A_log, dt_bias, torch.arange(3, dtype=torch.int32), initial_state=init[slots]
+    )
     assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-2

@@ -52,5 +52,13 @@ def test_rope_rotates_pairs_half_apart():
 
 def test_rejects_bad_weight():
     with pytest.raises(ValueError, match="k_weight: expected shape"):
-        qk_norm_rope(rnd(2, 4, 64), rnd(2, 1, 64), rnd(64), rnd(32), torch.arange(2, device=DEV),
-                     rope_inv_freq(16, 1e4, DEV), 1e-6, True)
+        qk_norm_rope(
+            rnd(2, 4, 64),
+            rnd(2, 1, 64),
+            rnd(64),
+            rnd(32),
+            torch.arange(2, device=DEV),
+            rope_inv_freq(16, 1e4, DEV),
+            1e-6,
+            True,
+        )

@@ -38,8 +38,13 @@ def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device) -> Timed:
     H, Hkv, Dh, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, _ctx(batch)
     kv_bytes = 2 * batch * Hkv * L * Dh * 2
     sets = rotating_sets(kv_bytes)
-    caches = [(torch.randn(batch, Hkv, L, Dh, device=dev, dtype=BF16),
-               torch.randn(batch, Hkv, L, Dh, device=dev, dtype=BF16)) for _ in range(sets)]
+    caches = [
+        (
+            torch.randn(batch, Hkv, L, Dh, device=dev, dtype=BF16),
+            torch.randn(batch, Hkv, L, Dh, device=dev, dtype=BF16),
+        )
+        for _ in range(sets)
+    ]
     qs = [torch.randn(batch, H, Dh, device=dev, dtype=BF16) for _ in range(sets)]
     gate = torch.randn(batch, H, Dh, device=dev, dtype=BF16) if cfg.attn_output_gate else None
     slots = torch.arange(batch, device=dev)
@@ -53,7 +58,9 @@ def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device) -> Timed:
 
     return Timed(
         run=lambda i: decode_attention(qs[i], *caches[i], slots, lens, max_seqlen=L, gate=gate),
-        n_sets=sets, bytes=kv_bytes + 2 * 2 * batch * H * Dh, flops=4 * batch * H * L * Dh,
+        n_sets=sets,
+        bytes=kv_bytes + 2 * 2 * batch * H * Dh,
+        flops=4 * batch * H * L * Dh,
         baselines={"sdpa": sdpa},
     )
 
@@ -70,15 +77,20 @@ def _prefill_attn(cfg: ModelConfig, tokens: int, dev: torch.device) -> Timed:
     vt = v.repeat_interleave(H // Hkv, 1).transpose(0, 1)[None]
     return Timed(
         run=lambda i: prefill_attention(q, k, v, cu, tokens, gate=gate),
-        n_sets=1, bytes=2 * tokens * (2 * H + 2 * Hkv) * Dh,
+        n_sets=1,
+        bytes=2 * tokens * (2 * H + 2 * Hkv) * Dh,
         flops=2 * H * tokens * tokens * Dh,  # QK^T and PV, each 2*T*T*Dh, halved by the causal mask
         baselines={"sdpa": lambda i: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)},
     )
 
 
 def _gdn_shapes(cfg: ModelConfig) -> tuple[int, int, int, int]:
-    return (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-            cfg.linear_value_head_dim)
+    return (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
 
 
 def _gdn_decode(cfg: ModelConfig, batch: int, state_dtype: torch.dtype, dev: torch.device) -> Timed:
@@ -107,8 +119,10 @@ def _gdn_decode(cfg: ModelConfig, batch: int, state_dtype: torch.dtype, dev: tor
 
     return Timed(
         run=lambda i: gated_delta_rule(q, k, v, a, b, A_log, dt_bias, states[i], slots),
-        n_sets=sets, bytes=2 * state_bytes + 2 * mixed.numel() + 2 * batch * Hv * Dv,
-        flops=batch * Hv * Dk * Dv * 7, baselines={"torch": torch_step},
+        n_sets=sets,
+        bytes=2 * state_bytes + 2 * mixed.numel() + 2 * batch * Hv * Dv,
+        flops=batch * Hv * Dk * Dv * 7,
+        baselines={"torch": torch_step},
     )
 
 
@@ -128,7 +142,8 @@ def _gdn_prefill(cfg: ModelConfig, tokens: int, chunked: bool, dev: torch.device
     fn = chunk_gated_delta_rule if chunked else gated_delta_rule  # both take cu_seqlens 10th
     return Timed(
         run=lambda i: fn(q, k, v, a, b, A_log, dt_bias, state, slots, cu),
-        n_sets=1, bytes=2 * mixed.numel() + 2 * tokens * Hv * Dv + state.numel() * 4,
+        n_sets=1,
+        bytes=2 * mixed.numel() + 2 * tokens * Hv * Dv + state.numel() * 4,
         flops=tokens * Hv * Dk * Dv * 7,
     )
 
@@ -151,8 +166,9 @@ def _conv(cfg: ModelConfig, m: int, decode: bool, dev: torch.device) -> Timed:
     return Timed(run=run, n_sets=sets, bytes=io, flops=2 * m * C * K)
 
 
-def _rows(m: int, width: int, n_in: int, fn: Callable[..., object], out_bytes: int, dev: torch.device
-          ) -> Timed:
+def _rows(
+    m: int, width: int, n_in: int, fn: Callable[..., object], out_bytes: int, dev: torch.device
+) -> Timed:
     """A row op on `n_in` bf16 inputs `[m, width]` that writes `out_bytes`."""
     nbytes = 2 * m * width * n_in + out_bytes
     sets = rotating_sets(nbytes)
@@ -180,9 +196,13 @@ def _sample(cfg: ModelConfig, batch: int, filtered: bool, dev: torch.device) -> 
         return idx.gather(1, torch.multinomial(srt.softmax(-1), 1))
 
     baselines = {"torch": torch_sample} if filtered else {"argmax": lambda i: logits[i].argmax(-1)}
-    return Timed(run=lambda i: sample(logits[i], temp, top_k, top_p, seeds, steps, filtered=filtered),
-                 n_sets=sets,
-                 bytes=4 * batch * V, flops=0, baselines=baselines)
+    return Timed(
+        run=lambda i: sample(logits[i], temp, top_k, top_p, seeds, steps, filtered=filtered),
+        n_sets=sets,
+        bytes=4 * batch * V,
+        flops=0,
+        baselines=baselines,
+    )
 
 
 @register
@@ -190,23 +210,42 @@ def attention_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator
     H, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for m in ms:
         if m <= DECODE_MAX_BATCH:
-            yield KernelCase("decode_attention", model, f"GQA {H}/{Hkv} Dh={Dh} ctx={_ctx(m)}", m,
-                             lambda dev, m=m: _decode_attn(cfg, m, dev),
-                             Target("bandwidth", 0.70) if m >= 32 else None)
+            yield KernelCase(
+                "decode_attention",
+                model,
+                f"GQA {H}/{Hkv} Dh={Dh} ctx={_ctx(m)}",
+                m,
+                lambda dev, m=m: _decode_attn(cfg, m, dev),
+                Target("bandwidth", 0.70) if m >= 32 else None,
+            )
         if m >= PREFILL_MIN_TOKENS:
-            yield KernelCase("prefill_attention", model, f"causal GQA {H}/{Hkv} Dh={Dh}", m,
-                             lambda dev, m=m: _prefill_attn(cfg, m, dev),
-                             Target("flops", 0.50) if m >= 4096 else None)
+            yield KernelCase(
+                "prefill_attention",
+                model,
+                f"causal GQA {H}/{Hkv} Dh={Dh}",
+                m,
+                lambda dev, m=m: _prefill_attn(cfg, m, dev),
+                Target("flops", 0.50) if m >= 4096 else None,
+            )
 
         def norm_rope(dev: torch.device, m: int = m) -> Timed:
             inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)
             sets = rotating_sets(4 * m * (H + Hkv) * Dh)
-            qk = [(torch.randn(m, H, Dh, device=dev, dtype=BF16),
-                   torch.randn(m, Hkv, Dh, device=dev, dtype=BF16)) for _ in range(sets)]
+            qk = [
+                (
+                    torch.randn(m, H, Dh, device=dev, dtype=BF16),
+                    torch.randn(m, Hkv, Dh, device=dev, dtype=BF16),
+                )
+                for _ in range(sets)
+            ]
             w = torch.randn(Dh, device=dev, dtype=BF16)
             pos = torch.arange(m, device=dev)
-            return Timed(run=lambda i: qk_norm_rope(*qk[i], w, w, pos, inv_freq, 1e-6, cfg.one_plus_norm),
-                         n_sets=sets, bytes=4 * m * (H + Hkv) * Dh, flops=0)
+            return Timed(
+                run=lambda i: qk_norm_rope(*qk[i], w, w, pos, inv_freq, 1e-6, cfg.one_plus_norm),
+                n_sets=sets,
+                bytes=4 * m * (H + Hkv) * Dh,
+                flops=0,
+            )
 
         yield KernelCase("qk_norm_rope", model, f"H={H}+{Hkv} Dh={Dh} rot={cfg.rotary_dim}", m, norm_rope)
 
@@ -219,20 +258,40 @@ def gdn_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[Kerne
     for m in ms:
         if m <= DECODE_MAX_BATCH:
             for dt in (torch.float32, BF16):
-                yield KernelCase(f"gdn_decode_{str(dt)[6:]}_state", model, f"Hk={Hk} Hv={Hv} D={Dk}", m,
-                                 lambda dev, m=m, dt=dt: _gdn_decode(cfg, m, dt, dev),
-                                 Target("bandwidth", 0.70) if m >= 32 else None)
-            yield KernelCase("conv1d_update", model, f"C={2 * Hk * Dk + Hv * Dv} K=4", m,
-                             lambda dev, m=m: _conv(cfg, m, True, dev))
+                yield KernelCase(
+                    f"gdn_decode_{str(dt)[6:]}_state",
+                    model,
+                    f"Hk={Hk} Hv={Hv} D={Dk}",
+                    m,
+                    lambda dev, m=m, dt=dt: _gdn_decode(cfg, m, dt, dev),
+                    Target("bandwidth", 0.70) if m >= 32 else None,
+                )
+            yield KernelCase(
+                "conv1d_update",
+                model,
+                f"C={2 * Hk * Dk + Hv * Dv} K=4",
+                m,
+                lambda dev, m=m: _conv(cfg, m, True, dev),
+            )
         if m >= PREFILL_MIN_TOKENS:
             for chunked in (True, False):
-                yield KernelCase("gdn_prefill_chunk" if chunked else "gdn_prefill_recurrent", model,
-                                 f"Hk={Hk} Hv={Hv} D={Dk} seqs of 1024", m,
-                                 lambda dev, m=m, c=chunked: _gdn_prefill(cfg, m, c, dev))
-            yield KernelCase("conv1d", model, f"C={2 * Hk * Dk + Hv * Dv} K=4", m,
-                             lambda dev, m=m: _conv(cfg, m, False, dev))
-        yield KernelCase("gated_rmsnorm", model, f"{Hv} heads x {Dv}", m,
-                         lambda dev, m=m: _norm(m * Hv, Dv, True, dev))
+                yield KernelCase(
+                    "gdn_prefill_chunk" if chunked else "gdn_prefill_recurrent",
+                    model,
+                    f"Hk={Hk} Hv={Hv} D={Dk} seqs of 1024",
+                    m,
+                    lambda dev, m=m, c=chunked: _gdn_prefill(cfg, m, c, dev),
+                )
+            yield KernelCase(
+                "conv1d",
+                model,
+                f"C={2 * Hk * Dk + Hv * Dv} K=4",
+                m,
+                lambda dev, m=m: _conv(cfg, m, False, dev),
+            )
+        yield KernelCase(
+            "gated_rmsnorm", model, f"{Hv} heads x {Dv}", m, lambda dev, m=m: _norm(m * Hv, Dv, True, dev)
+        )
 
 
 def _norm(m: int, width: int, gated: bool, dev: torch.device) -> Timed:
@@ -248,12 +307,17 @@ def small_op_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[
     D = cfg.hidden_size
     I = cfg.shared_expert_intermediate_size or cfg.moe_intermediate_size
     for m in ms:
-        yield KernelCase("add_rmsnorm", model, f"D={D}", m,
-                         lambda dev, m=m: _norm(m, D, False, dev))
-        yield KernelCase("silu_mul", model, f"I={I}", m,
-                         lambda dev, m=m: _rows(m, 2 * I, 1, silu_mul, 2 * m * I, dev))
+        yield KernelCase("add_rmsnorm", model, f"D={D}", m, lambda dev, m=m: _norm(m, D, False, dev))
+        yield KernelCase(
+            "silu_mul", model, f"I={I}", m, lambda dev, m=m: _rows(m, 2 * I, 1, silu_mul, 2 * m * I, dev)
+        )
         if m <= DECODE_MAX_BATCH:
             for filtered in (False, True):
                 name = "sample_topk_topp" if filtered else "sample_greedy"
-                yield KernelCase(name, model, f"V={cfg.vocab_size}", m,
-                                 lambda dev, m=m, f=filtered: _sample(cfg, m, f, dev))
+                yield KernelCase(
+                    name,
+                    model,
+                    f"V={cfg.vocab_size}",
+                    m,
+                    lambda dev, m=m, f=filtered: _sample(cfg, m, f, dev),
+                )

@@ -28,8 +28,14 @@ from triton.compiler import ASTSource
 
 from batchinfer.kernels import attention, causal_conv1d, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops
 
-_PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-              torch.int64: "*i64", torch.uint8: "*u8"}
+_PTR_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.uint8: "*u8",
+}
 _OPS = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
 
 
@@ -37,9 +43,12 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     """Run `launch()` with every kernel launch of our modules recorded instead of made; returns the
     (args, kwargs) of `kernel`'s launch."""
     seen: dict[str, tuple[tuple, dict]] = {}
-    kernels = [k for mod in (attention, causal_conv1d, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops)
-               for k in vars(mod).values()
-               if isinstance(k, triton.JITFunction)]
+    kernels = [
+        k
+        for mod in (attention, causal_conv1d, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops)
+        for k in vars(mod).values()
+        if isinstance(k, triton.JITFunction)
+    ]
     for k in kernels:
         k.run = lambda *args, grid, warmup, _k=k, **kwargs: seen.setdefault(_k.__name__, (args, kwargs))
     try:
@@ -87,8 +96,14 @@ def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dic
         sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     tiles = {k: v for k, v in consts.items() if isinstance(v, int) and not isinstance(v, bool)}
-    return {"kernel": kernel.__name__, "config": tiles | options, "regs": regs, "spill_bytes": stack,
-            "smem": compiled.metadata.shared, **{op: len(re.findall(rf"\b{op}\b", sass)) for op in _OPS}}
+    return {
+        "kernel": kernel.__name__,
+        "config": tiles | options,
+        "regs": regs,
+        "spill_bytes": stack,
+        "smem": compiled.metadata.shared,
+        **{op: len(re.findall(rf"\b{op}\b", sass)) for op in _OPS},
+    }
 
 
 def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -102,10 +117,16 @@ def _attention_launches(H: int, Hkv: int, Dh: int, rot: int, gated: bool) -> Ite
     k, v = _t(T, Hkv, Dh), _t(T, Hkv, Dh)
     cu = torch.tensor([0, T], dtype=torch.int32)
     w, inv = _t(Dh), qk_norm_rope.rope_inv_freq(rot, 1e7)
-    yield f"Dh={Dh}", qk_norm_rope._qk_norm_rope_kernel, lambda: qk_norm_rope.qk_norm_rope(
-        q, k, w, w, torch.arange(T), inv, 1e-6, gated)
-    yield f"Dh={Dh}", attention._prefill_attn_kernel, lambda: attention.prefill_attention(
-        q, k, v, cu, T, gate=gate)
+    yield (
+        f"Dh={Dh}",
+        qk_norm_rope._qk_norm_rope_kernel,
+        lambda: qk_norm_rope.qk_norm_rope(q, k, w, w, torch.arange(T), inv, 1e-6, gated),
+    )
+    yield (
+        f"Dh={Dh}",
+        attention._prefill_attn_kernel,
+        lambda: attention.prefill_attention(q, k, v, cu, T, gate=gate),
+    )
     kc, vc = _t(B, Hkv, L, Dh), _t(B, Hkv, L, Dh)
     lens, slots = torch.full((B,), L, dtype=torch.int32), torch.arange(B)
     qd, gd = q[:B], None if gate is None else gate[:B]
@@ -129,8 +150,11 @@ def _gdn_launches() -> Iterator[tuple]:
     yield "decode, fp32 state", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots)
     yield "decode, bf16 state", gdn._delta_rule_kernel, lambda: rule(s16, slot_ids=slots)
     yield "prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu)
-    yield "prefill", gdn_chunk._chunk_delta_rule_kernel, lambda: gdn_chunk.chunk_gated_delta_rule(
-        q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu)
+    yield (
+        "prefill",
+        gdn_chunk._chunk_delta_rule_kernel,
+        lambda: gdn_chunk.chunk_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu),
+    )
     cw, cs = _t(C, 4), _t(T, 3, C)
     conv = causal_conv1d
     yield "prefill", conv._conv1d_kernel, lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])
@@ -145,10 +169,16 @@ def _small_op_launches() -> Iterator[tuple]:
     yield "I=512", small_ops._silu_mul_kernel, lambda: small_ops.silu_mul(_t(T, 1024))
     yield "D=2048", small_ops._embedding_kernel, lambda: small_ops.embedding(torch.arange(T), x)
     ones, k = torch.ones(n), torch.ones(n, dtype=torch.int32)
-    draw = lambda: sampling.sample(_t(n, V, dtype=torch.float32), ones, k, ones * 0.9, torch.arange(n),
-                                   torch.zeros(n, dtype=torch.int64))
-    for kernel in (sampling._partial_kernel, sampling._init_kernel, sampling._search_kernel,
-                   sampling._draw_kernel, sampling._finish_kernel):
+    draw = lambda: sampling.sample(
+        _t(n, V, dtype=torch.float32), ones, k, ones * 0.9, torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    )
+    for kernel in (
+        sampling._partial_kernel,
+        sampling._init_kernel,
+        sampling._search_kernel,
+        sampling._draw_kernel,
+        sampling._finish_kernel,
+    ):
         yield f"V={V}", kernel, draw
 
 
@@ -177,8 +207,11 @@ def main() -> None:
             failed = True
             continue
         failed |= r["spill_bytes"] > args.max_spill
-        print(f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
-              + " | ".join(str(r[op]) for op in _OPS) + " |")
+        print(
+            f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
+            + " | ".join(str(r[op]) for op in _OPS)
+            + " |"
+        )
     sys.exit(1 if failed else 0)
 
 

@@ -32,8 +32,17 @@ from batchinfer.kernels.gdn_chunk import _chunk_configs, chunk_gated_delta_rule
 log = logging.getLogger(__name__)
 BF16 = torch.bfloat16
 
-PREFILL = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2),
-           (128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 3)]
+PREFILL = [
+    (64, 32, 4, 2),
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (64, 64, 4, 3),
+    (128, 64, 8, 2),
+    (128, 32, 8, 2),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 32, 4, 3),
+]
 DECODE = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
 GDN_DECODE = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)]
 GDN_PREFILL = [(bv, w) for bv in (8, 16, 32) for w in (1, 2, 4)]
@@ -44,9 +53,15 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _sweep(name: str, configs: list[dict[str, int]], run: Callable[[dict[str, int], int], torch.Tensor],
-           check: Callable[[dict[str, int]], torch.Tensor], ref: torch.Tensor, sets: int,
-           extra: dict[str, Any]) -> list[dict[str, Any]]:
+def _sweep(
+    name: str,
+    configs: list[dict[str, int]],
+    run: Callable[[dict[str, int], int], torch.Tensor],
+    check: Callable[[dict[str, int]], torch.Tensor],
+    ref: torch.Tensor,
+    sets: int,
+    extra: dict[str, Any],
+) -> list[dict[str, Any]]:
     """Check each config's output (`check(cfg)` vs ref), then time `run(cfg, i)` over `sets` input sets."""
     rows = []
     for cfg in configs:
@@ -68,12 +83,16 @@ def _prefill_point(dev: torch.device, H: int, Hkv: int, Dh: int, gated: bool, T:
     cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
     rep = H // Hkv
     ref = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().repeat_interleave(rep, 1).transpose(0, 1),
-        v.float().repeat_interleave(rep, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+        q.float().transpose(0, 1),
+        k.float().repeat_interleave(rep, 1).transpose(0, 1),
+        v.float().repeat_interleave(rep, 1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
     if gated:
         ref = ref * torch.sigmoid(gate.float())
-    configs = [_prefill_configs(Dh)] + [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-                                        for bm, bn, w, s in PREFILL]
+    configs = [_prefill_configs(Dh)] + [
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s) for bm, bn, w, s in PREFILL
+    ]
     run = lambda c, i: prefill_attention(q, k, v, cu, T, gate=gate, config=dict(c))
     rows = _sweep(f"prefill Dh={Dh}", configs, run, lambda c: run(c, 0), ref, 1, {"tokens": T})
     for row in rows:
@@ -91,8 +110,9 @@ def _decode_point(dev: torch.device, H: int, Hkv: int, Dh: int, B: int, L: int) 
     slots = torch.arange(B, device=dev)
     lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     ref = decode_attention_ref(q, *caches[0], slots, lens)
-    configs = [_decode_configs(Dh)] + [dict(BLOCK_N=bn, num_warps=w, num_stages=s, MIN_SPLIT=256)
-                                       for bn, w, s in DECODE]
+    configs = [_decode_configs(Dh)] + [
+        dict(BLOCK_N=bn, num_warps=w, num_stages=s, MIN_SPLIT=256) for bn, w, s in DECODE
+    ]
     configs += [dict(_decode_configs(Dh), MIN_SPLIT=ms) for ms in (128, 256, 512)]
     run = lambda c, i: decode_attention(q, *caches[i], slots, lens, max_seqlen=L, config=dict(c))
     rows = _sweep(f"decode Dh={Dh} B={B}", configs, run, lambda c: run(c, 0), ref, 2, {"batch": B, "ctx": L})
@@ -102,8 +122,12 @@ def _decode_point(dev: torch.device, H: int, Hkv: int, Dh: int, B: int, L: int) 
 
 
 def sweep_decode(dev: torch.device) -> list[dict[str, Any]]:
-    return [row for H, Hkv, Dh in ((16, 2, 256), (32, 4, 128)) for B in (32, 128)
-            for row in _decode_point(dev, H, Hkv, Dh, B, 4096)]
+    return [
+        row
+        for H, Hkv, Dh in ((16, 2, 256), (32, 4, 128))
+        for B in (32, 128)
+        for row in _decode_point(dev, H, Hkv, Dh, B, 4096)
+    ]
 
 
 def _gdn_inputs(T: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
@@ -129,8 +153,15 @@ def _gdn_decode_point(dev: torch.device, B: int) -> list[dict]:
     step = lambda c, s: gated_delta_rule(q, k, v, a, b, A_log, dt_bias, s, slots, config=c)
     ref = step(_delta_rule_configs(True), base.clone())
     configs = [_delta_rule_configs(True)] + [dict(BLOCK_V=bv, num_warps=w) for bv, w in GDN_DECODE]
-    rows = _sweep(f"gdn decode B={B}", configs, lambda c, i: step(c, states[i]),
-                  lambda c: step(c, base.clone()), ref, len(states), {"batch": B})
+    rows = _sweep(
+        f"gdn decode B={B}",
+        configs,
+        lambda c, i: step(c, states[i]),
+        lambda c: step(c, base.clone()),
+        ref,
+        len(states),
+        {"batch": B},
+    )
     for row in rows:
         row["tb_s"] = 2 * base.nbytes / row.get("us", math.nan) / 1e6
     return rows
@@ -148,10 +179,12 @@ def sweep_gdn(dev: torch.device) -> list[dict[str, Any]]:
     configs = [_delta_rule_configs(False)] + [dict(BLOCK_V=bv, num_warps=w) for bv, w in GDN_PREFILL]
     rows += _sweep(f"gdn prefill T={T} seqs={seqs}", configs, run, lambda c: run(c, 0), ref, 1, {"tokens": T})
     chunk = lambda c, i: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, config=c)
-    configs = [_chunk_configs()] + [dict(BT=bt, BLOCK_V=bv, num_warps=w, num_stages=1)
-                                    for bt, bv, w in GDN_CHUNK]
-    return rows + _sweep(f"gdn chunked prefill T={T} seqs={seqs}", configs, chunk, lambda c: chunk(c, 0),
-                         ref, 1, {"tokens": T})
+    configs = [_chunk_configs()] + [
+        dict(BT=bt, BLOCK_V=bv, num_warps=w, num_stages=1) for bt, bv, w in GDN_CHUNK
+    ]
+    return rows + _sweep(
+        f"gdn chunked prefill T={T} seqs={seqs}", configs, chunk, lambda c: chunk(c, 0), ref, 1, {"tokens": T}
+    )
 
 
 def bf16_state_drift(dev: torch.device, batch: int = 32, steps: int = 512) -> dict[str, Any]:
@@ -168,8 +201,12 @@ def bf16_state_drift(dev: torch.device, batch: int = 32, steps: int = 512) -> di
         o16 = gated_delta_rule(q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt_bias, s16, slots)
         if t + 1 in (1, 8, 64, 256, 512):
             out["at"][t + 1] = {"out_rel_err": _rel(o16, o32), "state_rel_err": _rel(s16, s32)}
-            log.info("bf16 state after %d steps: out err %.2e, state err %.2e", t + 1,
-                     out["at"][t + 1]["out_rel_err"], out["at"][t + 1]["state_rel_err"])
+            log.info(
+                "bf16 state after %d steps: out err %.2e, state err %.2e",
+                t + 1,
+                out["at"][t + 1]["out_rel_err"],
+                out["at"][t + 1]["state_rel_err"],
+            )
     return out
 
 
