@@ -140,6 +140,13 @@ def test_mixed_scheme_cannot_become_compressed_tensors(tiny_checkpoint, tmp_path
         convert_to_compressed_tensors(mo, tmp_path / "ct")
 
 
+def test_quantize_refuses_mixed_compressed_tensors_before_loading(tmp_path):
+    # The source does not even exist: the scheme/format clash must be reported before any loading.
+    with pytest.raises(CheckpointError, match="scheme 'mixed' cannot be written as compressed-tensors"):
+        quantize_checkpoint(tmp_path / "absent", tmp_path / "ct", scheme="mixed", method="compressed-tensors")
+    assert not (tmp_path / "ct").exists()
+
+
 def test_quantize_refuses_quantized_source_and_same_folder(tiny_checkpoint, tmp_path):
     q = tiny_checkpoint("tiny-qwen3-moe", "nvfp4")
     with pytest.raises(CheckpointError, match="already quantized"):

@@ -91,6 +91,12 @@ def quantize_checkpoint(
     src, dst = Path(src), Path(dst)
     if scheme not in SCHEMES:
         raise CheckpointError(f"unknown scheme {scheme!r}; available: {', '.join(SCHEMES)}")
+    if method == COMPRESSED_TENSORS and scheme != "nvfp4":
+        # Refused before any work: the mixed scheme's FP8 linears have no compressed-tensors NVFP4 form.
+        raise CheckpointError(
+            f"scheme {scheme!r} cannot be written as {COMPRESSED_TENSORS}: its FP8 linears have no place in "
+            "nvfp4-pack-quantized; use scheme 'nvfp4' or the ModelOpt layout"
+        )
     raw = read_raw_config(src)
     if read_quant_config(raw, src) is not None:
         raise CheckpointError(f"{src}: already quantized; `quantize` needs a BF16/FP16/FP32 checkpoint")
