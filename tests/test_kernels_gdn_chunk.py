@@ -35,7 +35,7 @@ def test_chunk_matches_token_loop(lens, Hk, Hv, D, slow):
     q, k, v, a, b, A_log, dt_bias = _inputs(int(cu[-1]), Hk, Hv, D, slow)
     state = torch.full((len(lens) + 1, Hv, D, D), float("nan"), device=DEV)
     slots = torch.arange(len(lens), 0, -1, device=DEV)
-    out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu)
+    out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, max(lens))
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
     assert rel_err(out, ref) < 1e-2
     assert rel_err(state[slots], ref_final) < 1e-2
@@ -47,7 +47,7 @@ def test_chunk_agrees_with_recurrent_kernel():
     q, k, v, a, b, A_log, dt_bias = _inputs(33, 1, 1, 16)
     s1, s2 = torch.empty(1, 1, 16, 16, device=DEV), torch.empty(1, 1, 16, 16, device=DEV)
     slot = torch.zeros(1, dtype=torch.long, device=DEV)
-    o1 = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, s1, slot, cu)
+    o1 = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, s1, slot, cu, 33)
     o2 = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, s2, slot, cu_seqlens=cu)
     assert rel_err(o1, o2) < 1e-2 and rel_err(s1, s2) < 1e-2
 
@@ -59,7 +59,7 @@ def test_real_shapes_gpu():
     q, k, v, a, b, A_log, dt_bias = _inputs(1365, 16, 32, 128, slow=True)
     state = torch.empty(len(lens), 32, 128, 128, device=DEV)
     slots = torch.arange(len(lens), device=DEV)
-    out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu)
+    out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, max(lens))
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
     assert rel_err(out, ref) < 1e-2 and rel_err(state, ref_final) < 1e-2
 
@@ -73,6 +73,6 @@ def test_production_chunk(monkeypatch):
     q, k, v, a, b, A_log, dt_bias = _inputs(213, 1, 2, 32, slow_decay=True)
     state = torch.empty(2, 2, 32, 32, device=DEV)
     slots = torch.arange(2, device=DEV)
-    out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, config=cfg)
+    out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, 150, config=cfg)
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
     assert rel_err(out, ref) < 1e-2 and rel_err(state, ref_final) < 1e-2

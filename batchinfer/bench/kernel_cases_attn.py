@@ -139,9 +139,12 @@ def _gdn_prefill(cfg: ModelConfig, tokens: int, chunked: bool, dev: torch.device
     A_log, dt_bias = torch.rand(Hv, device=dev), torch.randn(Hv, device=dev)
     state = torch.empty(seqs, Hv, Dk, Dv, device=dev)
     slots = torch.arange(seqs, device=dev)
-    fn = chunk_gated_delta_rule if chunked else gated_delta_rule  # both take cu_seqlens 10th
+    if chunked:
+        run = lambda i: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, 1024)
+    else:
+        run = lambda i: gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu)
     return Timed(
-        run=lambda i: fn(q, k, v, a, b, A_log, dt_bias, state, slots, cu),
+        run=run,
         n_sets=1,
         bytes=2 * mixed.numel() + 2 * tokens * Hv * Dv + state.numel() * 4,
         flops=tokens * Hv * Dk * Dv * 7,

@@ -150,11 +150,9 @@ def _gdn_launches() -> Iterator[tuple]:
     yield "decode, fp32 state", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots)
     yield "decode, bf16 state", gdn._delta_rule_kernel, lambda: rule(s16, slot_ids=slots)
     yield "prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu)
-    yield (
-        "prefill",
-        gdn_chunk._chunk_delta_rule_kernel,
-        lambda: gdn_chunk.chunk_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu),
-    )
+    chunk = lambda: gdn_chunk.chunk_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu, T)
+    yield "prefill", gdn_chunk._chunk_prep_kernel, chunk
+    yield "prefill", gdn_chunk._chunk_state_kernel, chunk
     cw, cs = _t(C, 4), _t(T, 3, C)
     conv = causal_conv1d
     yield "prefill", conv._conv1d_kernel, lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])

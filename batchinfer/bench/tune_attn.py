@@ -46,7 +46,7 @@ PREFILL = [
 DECODE = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
 GDN_DECODE = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)]
 GDN_PREFILL = [(bv, w) for bv in (8, 16, 32) for w in (1, 2, 4)]
-GDN_CHUNK = [(64, 16, 8), (64, 32, 8), (64, 16, 4), (32, 64, 4), (32, 32, 4)]
+GDN_CHUNK = [(64, 16, 8), (64, 32, 8), (64, 16, 4), (32, 32, 4), (32, 16, 4)]  # BT, BLOCK_V, warps
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -178,9 +178,11 @@ def sweep_gdn(dev: torch.device) -> list[dict[str, Any]]:
     ref = run(_delta_rule_configs(False), 0)
     configs = [_delta_rule_configs(False)] + [dict(BLOCK_V=bv, num_warps=w) for bv, w in GDN_PREFILL]
     rows += _sweep(f"gdn prefill T={T} seqs={seqs}", configs, run, lambda c: run(c, 0), ref, 1, {"tokens": T})
-    chunk = lambda c, i: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, config=c)
+    chunk = lambda c, i: chunk_gated_delta_rule(
+        q, k, v, a, b, A_log, dt_bias, state, slots, cu, T // seqs, config=c
+    )
     configs = [_chunk_configs()] + [
-        dict(BT=bt, BLOCK_V=bv, num_warps=w, num_stages=1) for bt, bv, w in GDN_CHUNK
+        dict(BT=bt, BLOCK_V=bv, num_warps=w, prep_warps=8) for bt, bv, w in GDN_CHUNK
     ]
     return rows + _sweep(
         f"gdn chunked prefill T={T} seqs={seqs}", configs, chunk, lambda c: chunk(c, 0), ref, 1, {"tokens": T}
