@@ -31,6 +31,15 @@ class Instance:
     mask: torch.Tensor
 
 
+@dataclass(slots=True)
+class PairResult:
+    """Everything about one (image, prompt) pair, also when nothing passed the threshold: `presence`
+    (sigmoid of the presence logit) says how sure the model is that the concept is in the image."""
+
+    presence: float
+    instances: list[Instance]
+
+
 class ImageSegmenter(Protocol):
     """What the image job layer needs from a SAM 3 model."""
 
