@@ -9,6 +9,7 @@ with the plan's string arguments (`--engine-arg KEY=VALUE`).
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,28 @@ def resolve_factory(spec: str) -> Callable[..., TextEngine]:
         return getattr(mod, attr)
     except AttributeError:
         raise ConfigError(f"--engine {spec!r}: module {module!r} has no attribute {attr!r}") from None
+
+
+def check_args(spec: str, args: dict[str, Any]) -> Callable[..., TextEngine]:
+    """The factory `spec` names, after checking it accepts `factory(model_path, **args)`, so that a
+    mistyped `--engine-arg` is refused by name before a plan records it, not as a TypeError at load."""
+    factory = resolve_factory(spec)
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # builtins and C callables: nothing to check against
+        return factory
+    try:
+        signature.bind("model_path", **args)
+    except TypeError as e:
+        known = [
+            p.name
+            for p in list(signature.parameters.values())[1:]  # the first one takes the model path
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        raise ConfigError(
+            f"--engine-arg for {spec}: {e}; it accepts {', '.join(known) or 'no arguments'}"
+        ) from None
+    return factory
 
 
 def parse_args(pairs: Sequence[str]) -> dict[str, str]:
@@ -63,7 +86,7 @@ class LazyEngine:
     def get(self) -> TextEngine:
         if self._engine is None:
             t0 = time.monotonic()
-            self._engine = resolve_factory(self.factory)(self.model_path, **self.args)
+            self._engine = check_args(self.factory, self.args)(self.model_path, **self.args)
             log.info(
                 "loaded engine %s for %s in %.1f s", self.factory, self.model_path, time.monotonic() - t0
             )

@@ -256,6 +256,12 @@ def test_engine_and_usage_errors(tmp_path):
     assert r.returncode == 2 and "cannot import module 'no_such_module'" in r.stderr
     r = run_cli("run", "--output", str(tmp_path / "new"))
     assert r.returncode == 2 and "a new job needs --input and --model" in r.stderr
+    r = run_cli(*echo_args(tmp_path, tmp_path / "typo", "--engine-arg", "dely=1"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: --engine-arg for {ECHO}: got an unexpected keyword argument 'dely'; "
+        "it accepts delay, fail_marker, crash_marker, max_context"
+    )
+    assert not (tmp_path / "typo" / "plan.json").exists()  # refused before the plan records it
     r = run_cli("run", *echo_args(tmp_path, tmp_path / "o2")[1:], "--shard", "9")
     assert r.returncode == 2 and "shard 9 does not exist" in r.stderr
     shutil.rmtree(tmp_path / "model")

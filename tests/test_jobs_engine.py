@@ -15,6 +15,7 @@ from batchinfer.jobs.engines import LazyEngine
 from jobs_fixtures import BATCHINFER, run_cli
 
 from batchinfer.checkpoint.presets import write_preset
+from batchinfer.errors import ConfigError
 
 ENGINE_ARGS = {"max_model_len": "64", "max_batch_size": "8"}
 
@@ -132,3 +133,13 @@ def test_sigkill_trials_with_tiny_checkpoint(tmp_path, checkpoint):
     assert done.returncode == 0, done.stderr
     ids = duckdb.connect().execute(f"SELECT id FROM '{glob}' ORDER BY id").fetchall()
     assert [i for (i,) in ids] == sorted(f"r{f}-{i:02d}" for f in range(2) for i in range(12))
+
+
+def test_lazy_engine_refuses_unknown_engine_args_by_name(checkpoint):
+    # A plan written before run checked engine args must still fail with a user error, not a TypeError.
+    engine = LazyEngine(plans.DEFAULT_ENGINE, str(checkpoint), {**ENGINE_ARGS, "max_batch": "4"})
+    with pytest.raises(
+        ConfigError, match="unexpected keyword argument 'max_batch'; it accepts device, dtype"
+    ):
+        engine.describe()
+    assert not engine.loaded

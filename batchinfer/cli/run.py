@@ -183,11 +183,15 @@ def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, chec
     """The plan `args` describe; unspecified fields come from the existing plan `old` (or defaults)."""
     from batchinfer.engine.api import SamplingParams
     from batchinfer.jobs import plan as plans
+    from batchinfer.jobs.engines import check_args
 
     def pick(key: str, default: Any) -> Any:
         return args[key] if key in args else (default if old is None else old[key])
 
     base_sampling = _sampling_dict(SamplingParams()) if old is None else old["sampling"]
+    engine = args.get("engine") or (old["engine"]["factory"] if old else plans.DEFAULT_ENGINE)
+    engine_args = args["engine_args"] if "engine_args" in args else (old["engine"]["args"] if old else {})
+    check_args(engine, engine_args)
     return plans.build_plan(
         job_dir,
         args.get("input") or [f["path"] for f in old["inputs"]],
@@ -197,8 +201,8 @@ def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, chec
         num_shards=args.get("shards") or (len(old["shards"]) if old else None),
         chunk_rows=pick("chunk_rows", plans.DEFAULT_CHUNK_ROWS),
         keep_columns=pick("keep_columns", []),
-        engine=args.get("engine") or (old["engine"]["factory"] if old else plans.DEFAULT_ENGINE),
-        engine_args=args["engine_args"] if "engine_args" in args else (old["engine"]["args"] if old else {}),
+        engine=engine,
+        engine_args=engine_args,
         check_rows=check_rows,
     )
 
