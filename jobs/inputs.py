@@ -12,7 +12,7 @@ import glob
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +140,19 @@ def column_type(files: Sequence[InputFile], column: str) -> pa.DataType:
 def check_rows(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
     """One pass over the inputs before any work: null or duplicate ids, and rows without exactly one of
     prompt / messages, are job-level errors reported with file, row, id and column."""
+    _check_ids(files, id_arrow_type, _check_prompt_or_messages)
+
+
+def check_ids(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
+    """Null or duplicate ids are job-level errors (the image task's row check: bad images are rows)."""
+    _check_ids(files, id_arrow_type, None)
+
+
+def _check_ids(
+    files: Sequence[InputFile],
+    id_arrow_type: pa.DataType,
+    check_file: Callable[[str, pq.ParquetFile, pa.Array], None] | None,
+) -> None:
     arrays = []
     for f in files:
         pf = pq.ParquetFile(f.path)
@@ -154,7 +167,8 @@ def check_rows(files: Sequence[InputFile], id_arrow_type: pa.DataType) -> None:
                 f"{f.path}: column 'id' has {nulls} null value(s), first at row {first}; "
                 "expected a unique non-null id on every row"
             )
-        _check_prompt_or_messages(f.path, pf, col)
+        if check_file is not None:
+            check_file(f.path, pf, col)
         arrays.append(col.cast(id_arrow_type))
     ids = pa.chunked_array(arrays, type=id_arrow_type)
     counts = pc.value_counts(ids)

@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from batchinfer.jobs import commit, inputs
+from batchinfer.jobs import commit, inputs, tasks
 from batchinfer.schemas import loader
 
 from batchinfer import __version__
-from batchinfer.engine.api import SamplingParams
 from batchinfer.errors import InputError, PlanMismatchError
-from batchinfer.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +65,10 @@ class Plan:
     @property
     def keep_columns(self) -> list[str]:
         return self.doc["keep_columns"]
+
+    @property
+    def task(self) -> tasks.Task:
+        return tasks.get(self.doc["task"])
 
     @property
     def id_arrow_type(self) -> pa.DataType:
@@ -124,20 +126,19 @@ def build_plan(
     engine: str = DEFAULT_ENGINE,
     engine_args: dict[str, str] | None = None,
     check_rows: bool = True,
+    task: str = "llm",
 ) -> Plan:
     """Validate the inputs and describe the job. `check_rows=False` skips the row scan (ids, prompt /
     messages; used when only comparing against an existing plan, whose fingerprints already vouch for
-    the rows)."""
+    the rows). `task` picks the task (jobs.tasks); for `image`, `sampling` holds the thresholds."""
     if chunk_rows < 1:
         raise InputError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    try:
-        SamplingParams(**sampling)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"sampling parameters: {e}") from None
-    input_schema = loader.load("llm_input")
+    kind = tasks.get(task)
+    kind.check_params(sampling)
+    input_schema = loader.load(kind.input_schema)
     files = inputs.describe_files(inputs.resolve(input_patterns), input_schema)
     id_type = inputs.id_type(files)
-    reserved = set(loader.load("llm_output").names())
+    reserved = set(loader.load(kind.output_schema).names())
     for c in keep_columns:
         if c in reserved:
             raise InputError(
@@ -146,7 +147,7 @@ def build_plan(
             )
         inputs.column_type(files, c)
     if check_rows:
-        inputs.check_rows(files, id_type)
+        kind.check_rows(files, id_type)
     total = sum(f.rows for f in files)
     num_shards = num_shards or math.ceil(total / DEFAULT_SHARD_ROWS)
     if num_shards < 1:
@@ -154,14 +155,13 @@ def build_plan(
     if num_shards > total:
         log.warning("asked for %d shards but the inputs have %d rows; using %d", num_shards, total, total)
         num_shards = total
-    config = ModelConfig.from_pretrained(model_path)
     doc: dict[str, Any] = {
         "schema": "plan",
         "schema_version": loader.load("plan").version,
         "plan_id": "",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "batchinfer_version": __version__,
-        "task": "llm",
+        "task": task,
         "inputs": [f.to_dict() for f in files],
         "id_type": "int64" if id_type == pa.int64() else "string",
         "keep_columns": list(keep_columns),
@@ -170,15 +170,13 @@ def build_plan(
         "shards": [
             {"shard": i, "start": s, "end": e} for i, (s, e) in enumerate(split_rows(total, num_shards))
         ],
-        "model": {
-            "path": str(Path(model_path).resolve()),
-            "config_hash": config.config_hash(),
-            "model_type": config.model_type,
-        },
+        "model": kind.describe_model(str(model_path)),
         "engine": {"factory": engine, "args": dict(engine_args or {})},
         "sampling": dict(sampling),
         "seed": int(seed),
-        "schemas": {n: loader.load(n).version for n in ("llm_input", "llm_output", "plan", "shard_marker")},
+        "schemas": {
+            n: loader.load(n).version for n in (kind.input_schema, kind.output_schema, "plan", "shard_marker")
+        },
     }
     doc["plan_id"] = hash_plan(doc)
     return Plan(Path(job_dir).resolve(), doc)

@@ -1,5 +1,6 @@
-"""DuckDB over a job directory: views `results` (every committed row of every attempt), `latest` (one
-row per id, its highest attempt) and `inputs` (the input files, when they are reachable).
+"""DuckDB over a job directory: views `results` (every committed row of every attempt), `latest` (the
+rows of each id's highest attempt: one row per id for text jobs, one per (image, prompt, instance) for
+image jobs) and `inputs` (the input files, when they are reachable).
 
 Safe while workers run: only complete, renamed Parquet files match the glob, and committed files are
 never rewritten or deleted, so a query sees some prefix of the work, never a torn file.
@@ -13,12 +14,11 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 from batchinfer.jobs import commit, inputs
-from batchinfer.jobs import requests as rq
 from batchinfer.jobs.plan import Plan
 
 from batchinfer.errors import BatchinferError, InputError
 
-LATEST_SQL = "SELECT * FROM results QUALIFY row_number() OVER (PARTITION BY id ORDER BY attempt DESC) = 1"
+LATEST_SQL = "SELECT * FROM results QUALIFY attempt = max(attempt) OVER (PARTITION BY id)"
 
 
 def _sql_str(value: str) -> str:
@@ -31,7 +31,7 @@ def _empty_results(plan: Plan) -> pa.Table:
         keep = [pa.field(c, inputs.column_type(plan.inputs, c)) for c in plan.keep_columns]
     except BatchinferError:
         keep = [pa.field(c, pa.null()) for c in plan.keep_columns]
-    return rq.output_schema(plan.id_arrow_type, keep).empty_table()
+    return plan.task.output_arrow(plan.id_arrow_type, keep).empty_table()
 
 
 def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
@@ -87,10 +87,12 @@ def write_relation(
 
 
 def export(job_dir: str | Path, out: str | Path, partial: bool = False) -> int:
-    """One row per id (its latest attempt), in input order. Refuses an unfinished job unless `partial`."""
+    """The latest attempt of every id (one row per id for text jobs, per (image, prompt, instance) for
+    image jobs), in input order. Refuses an unfinished job unless `partial`."""
     plan = Plan.load(job_dir)
+    task = plan.task
     con = connect(plan.job_dir)
-    done = con.execute("SELECT count(*) FROM latest").fetchone()[0]
+    done = con.execute(f"SELECT {task.rows_sql} FROM latest").fetchone()[0]
     total = plan.doc["total_rows"]
     if done < total and not partial:
         raise InputError(
@@ -98,15 +100,17 @@ def export(job_dir: str | Path, out: str | Path, partial: bool = False) -> int:
             f"{plan.job_dir}`) or pass --partial to export what is there"
         )
     meta = {"batchinfer.plan_id": plan.plan_id, "batchinfer.model": plan.doc["model"]["path"]}
-    return write_relation(con, "SELECT * FROM latest ORDER BY row", out, meta)
+    return write_relation(con, f"SELECT * FROM latest ORDER BY {task.order_sql}", out, meta)
 
 
 def rows_to_retry(job_dir: str | Path, reasons: list[str]) -> dict[int, list[int]]:
-    """Global row indices, per shard, whose latest result has one of `reasons` as finish_reason."""
-    con = connect(job_dir)
+    """Global row indices, per shard, whose latest result has one of `reasons` as its outcome
+    (finish_reason for text jobs; `error` for images that failed)."""
+    plan = Plan.load(job_dir)
+    con = connect(plan.job_dir)
     listing = ", ".join(_sql_str(r) for r in reasons)
     rows = con.sql(
-        f"SELECT shard, row FROM latest WHERE finish_reason IN ({listing}) ORDER BY row"
+        f"SELECT DISTINCT shard, row FROM latest WHERE {plan.task.outcome_sql} IN ({listing}) ORDER BY row"
     ).fetchall()
     out: dict[int, list[int]] = {}
     for shard, row in rows:

@@ -12,13 +12,21 @@ the same row the same way.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+from batchinfer.jobs import inputs
+from batchinfer.jobs.tasks import Chunk, Task
 from batchinfer.schemas import loader
 
 from batchinfer.engine.api import FINISH_REASONS, SamplingParams, TextRequest, TextResult
+from batchinfer.errors import InputError
+
+if TYPE_CHECKING:
+    from batchinfer.jobs.plan import Plan
 
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "stop")
 INPUT_COLUMNS = ("id", "prompt", "messages", *SAMPLING_COLUMNS, "seed")
@@ -161,3 +169,63 @@ def output_table(
     arrays = [pa.array(data[f.name], type=f.type) for f in schema if f.name in data]
     arrays += [keep.column(f.name).cast(f.type) for f in schema if f.name not in data]
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, int]]:
+    """The text task's chunk: build requests, one `generate` call, output rows in input order."""
+    cols = {c: chunk.table.column(c).to_pylist() for c in INPUT_COLUMNS}
+    ids = cols["id"]
+    reqs, results_err, seeds = build_requests(cols, chunk.plan.sampling, chunk.plan.seed)
+    results = {r.index: r for r in results_err}
+    if reqs:
+        on_tokens = chunk.progress.tokens if chunk.progress else None
+        results.update(collect(chunk.engine.generate(reqs, on_tokens), {r.index for r in reqs}))
+    keep = chunk.table.select(chunk.plan.keep_columns)
+    out = output_table(
+        chunk.schema, ids, chunk.rows.tolist(), results, seeds, chunk.attempt, chunk.shard, keep
+    )
+    reasons = out.column("finish_reason").to_pylist()
+    return out, {
+        "errors": reasons.count("error"),
+        "skipped": reasons.count("skipped"),
+        "prompt_tokens": sum(r.prompt_tokens for r in results.values()),
+        "output_tokens": sum(r.output_tokens for r in results.values()),
+    }
+
+
+def _check_sampling(sampling: dict[str, Any]) -> None:
+    try:
+        SamplingParams(**sampling)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"sampling parameters: {e}") from None
+
+
+def _describe_model(model_path: str) -> dict[str, str]:
+    from batchinfer.models.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(model_path)
+    return {
+        "path": str(Path(model_path).resolve()),
+        "config_hash": config.config_hash(),
+        "model_type": config.model_type,
+    }
+
+
+def _metadata(plan: Plan) -> dict[str, str]:
+    return {"batchinfer.sampling": json.dumps({**plan.sampling, "job_seed": plan.seed}, sort_keys=True)}
+
+
+LLM_TASK = Task(
+    name="llm",
+    input_schema="llm_input",
+    output_schema="llm_output",
+    check_params=_check_sampling,
+    describe_model=_describe_model,
+    check_rows=inputs.check_rows,
+    read_columns=read_columns,
+    process=process_chunk,
+    metadata=_metadata,
+    outcome_sql="finish_reason",
+    rows_sql="count(*)",
+    order_sql="row",
+)

@@ -36,7 +36,8 @@ def summarize(job_dir: str | Path) -> dict[str, Any]:
     running = {s: h for s in sorted(left) if (h := lock_holder(plan.job_dir, s))}
     started = {int(p.name) for p in (plan.job_dir / commit.SHARDS_DIR).glob("[0-9]*") if any(p.iterdir())}
     con = query.connect(plan.job_dir)
-    reasons = dict(con.sql("SELECT finish_reason, count(*) FROM latest GROUP BY 1").fetchall())
+    task = plan.task
+    reasons = dict(con.sql(f"SELECT {task.outcome_sql}, {task.rows_sql} FROM latest GROUP BY 1").fetchall())
     chunks = _chunk_stats(plan)
     out_tokens = sum(c["output_tokens"] for c in chunks)
     engine_s = sum(c["seconds"] for c in chunks)
@@ -45,8 +46,10 @@ def summarize(job_dir: str | Path) -> dict[str, Any]:
     first = min(chunks, key=lambda c: c["committed_at"]) if chunks else None
     span = (times[-1] - times[0]).total_seconds() + first["seconds"] if first else 0.0
     all_attempts = attempts.list_attempts(plan)
+    rows_s = sum(c["rows"] for c in chunks)
     return {
         "job_dir": str(plan.job_dir),
+        "task": task.name,
         "plan_id": plan.plan_id,
         "model": plan.doc["model"]["path"],
         "rows_total": plan.doc["total_rows"],
@@ -64,6 +67,8 @@ def summarize(job_dir: str | Path) -> dict[str, Any]:
         "output_tokens": out_tokens,
         "engine_tokens_per_s": round(out_tokens / engine_s, 1) if engine_s else None,
         "overall_tokens_per_s": round(out_tokens / span, 1) if span else None,
+        "engine_rows_per_s": round(rows_s / engine_s, 2) if engine_s else None,
+        "overall_rows_per_s": round(rows_s / span, 2) if span else None,
         "first_commit": times[0].isoformat() if times else None,
         "last_commit": times[-1].isoformat() if times else None,
     }
@@ -78,9 +83,20 @@ def render(s: dict[str, Any]) -> str:
         f"shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
         f"{s['shards_partial']} partial, {s['shards_pending']} pending",
         f"rows     {s['rows_done']}/{s['rows_total']} done ({pct:.1f}%); latest results: {reasons}",
-        f"tokens   {s['output_tokens']} generated, {s['prompt_tokens']} prompt, in {s['chunks']} chunks",
     ]
-    if s["engine_tokens_per_s"] is not None:
+    if s.get("task") == "image":
+        lines.append(f"chunks   {s['chunks']} committed")
+        if s["engine_rows_per_s"] is not None:
+            overall = s["overall_rows_per_s"]
+            lines.append(
+                f"speed    {s['engine_rows_per_s']} images/s per worker (engine time)"
+                + (f", {overall} images/s overall" if overall else "")
+            )
+    else:
+        lines.append(
+            f"tokens   {s['output_tokens']} generated, {s['prompt_tokens']} prompt, in {s['chunks']} chunks"
+        )
+    if s.get("task") != "image" and s["engine_tokens_per_s"] is not None:
         overall = s["overall_tokens_per_s"]
         lines.append(
             f"speed    {s['engine_tokens_per_s']} tokens/s per worker (engine time)"

@@ -33,14 +33,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from batchinfer.jobs import attempts, commit, inputs
-from batchinfer.jobs import requests as rq
+from batchinfer.jobs import attempts, commit, inputs, tasks
 from batchinfer.jobs.lock import shard_lock
 from batchinfer.jobs.plan import Plan
 from batchinfer.jobs.progress import Progress
 
 from batchinfer import __version__
-from batchinfer.engine.api import TextEngine
+from batchinfer.engine.api import ImageEngine, TextEngine
 from batchinfer.errors import BatchinferError
 
 log = logging.getLogger(__name__)
@@ -94,7 +93,8 @@ class _Job:
     """What every chunk of a run needs, computed once per shard."""
 
     plan: Plan
-    engine: TextEngine
+    task: tasks.Task
+    engine: TextEngine | ImageEngine
     files: list[inputs.InputFile]
     columns: list[str]
     schema: pa.Schema
@@ -106,7 +106,7 @@ class _Job:
 def run_shard(
     plan: Plan,
     shard_id: int,
-    engine: TextEngine,
+    engine: TextEngine | ImageEngine,
     *,
     stop: StopFlag | None = None,
     progress: Progress | None = None,
@@ -134,7 +134,11 @@ def run_shard(
 
 
 def _run_locked(
-    plan: Plan, shard: int, engine: TextEngine, stop: StopFlag | None, progress: Progress | None
+    plan: Plan,
+    shard: int,
+    engine: TextEngine | ImageEngine,
+    stop: StopFlag | None,
+    progress: Progress | None,
 ) -> ShardResult:
     result = ShardResult(shard, "done")
     pending = [
@@ -148,12 +152,14 @@ def _run_locked(
     files = plan.inputs
     first = pq.read_schema(files[0].path)  # the plan checked that every file has these types
     keep = [pa.field(c, first.field(c).type) for c in plan.keep_columns]
+    task = plan.task
     job = _Job(
         plan,
+        task,
         engine,
         files,
-        rq.read_columns(plan.keep_columns),
-        rq.output_schema(plan.id_arrow_type, keep),
+        task.read_columns(plan.keep_columns),
+        task.output_arrow(plan.id_arrow_type, keep),
         progress,
     )
     commit.remove_stale_tmp(plan.job_dir / commit.SHARDS_DIR / f"{shard:05d}")
@@ -196,26 +202,14 @@ def _process_chunk(
 ) -> dict[str, Any]:
     t0 = time.monotonic()
     table = inputs.read_rows(job.files, rows, job.columns, job.row_groups)
-    cols = {c: table.column(c).to_pylist() for c in rq.INPUT_COLUMNS}
-    ids = cols["id"]
-    reqs, results_err, seeds = rq.build_requests(cols, job.plan.sampling, job.plan.seed)
-    results = {r.index: r for r in results_err}
-    if reqs:
-        on_tokens = job.progress.tokens if job.progress else None
-        results.update(rq.collect(job.engine.generate(reqs, on_tokens), {r.index for r in reqs}))
-    out = rq.output_table(
-        job.schema, ids, rows.tolist(), results, seeds, attempt, shard, table.select(job.plan.keep_columns)
-    )
-    reasons = out.column("finish_reason").to_pylist()
+    work = tasks.Chunk(job.plan, job.engine, table, rows, attempt, shard, job.schema, job.progress)
+    out, counts = job.task.process(work)
     stats = {
         "shard": shard,
         "attempt": attempt,
         "chunk": chunk,
-        "rows": len(ids),
-        "errors": reasons.count("error"),
-        "skipped": reasons.count("skipped"),
-        "prompt_tokens": sum(r.prompt_tokens for r in results.values()),
-        "output_tokens": sum(r.output_tokens for r in results.values()),
+        "rows": len(rows),
+        **counts,
         "seconds": round(time.monotonic() - t0, 4),
         "committed_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
     }
@@ -238,9 +232,10 @@ def _process_chunk(
     return stats
 
 
-def file_metadata(plan: Plan, engine: TextEngine) -> dict[str, str]:
+def file_metadata(plan: Plan, engine: TextEngine | ImageEngine) -> dict[str, str]:
     """Key-value metadata on every output file: who made it, with what, under which plan."""
     facts = engine.describe()
+    task = plan.task
     return {
         "batchinfer.version": __version__,
         "batchinfer.plan_id": plan.plan_id,
@@ -248,8 +243,8 @@ def file_metadata(plan: Plan, engine: TextEngine) -> dict[str, str]:
         "batchinfer.model_config_hash": plan.doc["model"]["config_hash"],
         "batchinfer.quantization": str(facts.get("quantization", "unknown")),
         "batchinfer.engine": json.dumps(facts, sort_keys=True),
-        "batchinfer.sampling": json.dumps({**plan.sampling, "job_seed": plan.seed}, sort_keys=True),
-        "batchinfer.schema": f"llm_output/{plan.doc['schemas']['llm_output']}",
+        **task.metadata(plan),
+        "batchinfer.schema": f"{task.output_schema}/{plan.doc['schemas'][task.output_schema]}",
     }
 
 
@@ -280,7 +275,7 @@ def _attach_log(job_dir: Path, shard: int) -> logging.Handler:
 def run_shards(
     plan: Plan,
     shard_ids: list[int],
-    engine: TextEngine,
+    engine: TextEngine | ImageEngine,
     *,
     stop: StopFlag | None = None,
     progress: Progress | None = None,
