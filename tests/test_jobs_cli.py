@@ -262,6 +262,8 @@ def test_engine_and_usage_errors(tmp_path):
         "it accepts delay, fail_marker, crash_marker, max_context"
     )
     assert not (tmp_path / "typo" / "plan.json").exists()  # refused before the plan records it
+    r = run_cli(*echo_args(tmp_path, tmp_path / "zero", "--shards", "0"))  # was taken as "default"
+    assert r.returncode == 2 and "Invalid value for '--shards': 0 is not in the range x>=1" in r.stderr
     r = run_cli("run", *echo_args(tmp_path, tmp_path / "o2")[1:], "--shard", "9")
     assert r.returncode == 2 and "shard 9 does not exist" in r.stderr
     shutil.rmtree(tmp_path / "model")

@@ -104,7 +104,9 @@ def _merge(spec_file: str | None, flags: dict[str, Any]) -> dict[str, Any]:
 @click.option("--stop", multiple=True, help="Stop string (repeatable), besides the model's EOS.")
 @click.option("--ignore-eos/--no-ignore-eos", default=None, help="Always generate max_tokens (benchmarks).")
 @click.option("--seed", type=int, help="Job seed; each row's seed derives from (seed, id) [0].")
-@click.option("--shards", type=int, help="Number of shards (row ranges) [one per 100,000 rows].")
+@click.option(
+    "--shards", type=click.IntRange(min=1), help="Number of shards (row ranges) [one per 100,000 rows]."
+)
 @click.option("--shard", "shard_ids", type=int, multiple=True, help="Work only on this shard (repeatable).")
 @click.option("--chunk-rows", type=int, help="Rows per committed chunk file [1000].")
 @click.option("--keep-columns", help="Comma-separated input columns to copy to the output.")
