@@ -88,3 +88,12 @@ def test_rows_sample_independently():
         a, b, c = sample_rows(logits, params, [step, step, step])
         assert a == c == sample_token(LOGITS, params[0], step)
         assert b == 3  # greedy on the flipped row: id 1 moves to 3
+
+
+def test_greedy_rows_in_a_mixed_batch_match_their_own_argmax():
+    logits = torch.tensor([[1.0, 5.0, 5.0, 0.0], [9.0, 0.0, 0.0, 9.0], [0.0, 0.0, 1.0, 2.0]])
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=4), SamplingParams()]
+    tokens = sample_rows(logits, params, [0, 3, 7])
+    assert tokens[0] == 1 and tokens[2] == 3  # ties go to the lowest id
+    assert tokens[1] == sample_token(logits[1], params[1], 3) and tokens[1] in (0, 3)
+    assert sample_rows(logits[:0], [], []) == []

@@ -54,5 +54,13 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, step: int) -> int
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> list[int]:
-    """`sample_token` for each row of `logits [B, V]`, row b with `params[b]` at step `steps[b]`."""
-    return [sample_token(logits[b], p, s) for b, (p, s) in enumerate(zip(params, steps, strict=True))]
+    """`sample_token` for each row of `logits [B, V]`, row b with `params[b]` at step `steps[b]`.
+
+    Greedy rows share one argmax and one device-to-host copy instead of one each.
+    """
+    greedy = [b for b, p in enumerate(params) if p.temperature == 0]
+    tokens = dict(zip(greedy, logits[greedy].argmax(-1).tolist() if greedy else [], strict=True))
+    return [
+        tokens[b] if b in tokens else sample_token(logits[b], p, s)
+        for b, (p, s) in enumerate(zip(params, steps, strict=True))
+    ]
