@@ -54,10 +54,15 @@ class Sam3Config:
             )
         if self.vit_dim % 4:
             raise ValueError(f"vit_dim={self.vit_dim} must be divisible by 4 (the x4 neck level)")
-        bad = [i for i in self.vit_global_blocks if not 0 <= i < self.vit_depth]
-        if bad or not self.vit_global_blocks:
+        if (
+            sorted(set(self.vit_global_blocks)) != list(self.vit_global_blocks)
+            or self.vit_global_blocks[-1:] != (self.vit_depth - 1,)
+            or self.vit_global_blocks[0] < 0
+        ):
+            # Meta's ViT returns the output of its last global block; ours returns the last block's.
             raise ValueError(
-                f"vit_global_blocks={self.vit_global_blocks} must be non-empty, in 0..{self.vit_depth - 1}"
+                f"vit_global_blocks={self.vit_global_blocks} must be increasing and end with the last block "
+                f"{self.vit_depth - 1}"
             )
         if self.d_model % self.num_heads or self.d_model % 8:
             raise ValueError(
@@ -85,7 +90,7 @@ class Sam3Config:
         return cls(
             image_size=56, patch_size=7, vit_dim=32, vit_depth=4, vit_heads=2, vit_mlp_dim=40,
             vit_window=4, vit_global_blocks=(1, 3), vit_pretrain_grid=4, d_model=32, text_width=32,
-            text_layers=2, text_heads=2, text_mlp_dim=64, text_context=32, text_proj_dim=16,
+            text_layers=2, text_heads=2, text_mlp_dim=128, text_context=32, text_proj_dim=512,
             num_heads=4, ffn_dim=64, geometry_layers=1, encoder_layers=2, decoder_layers=2,
             num_queries=10, scorer_mlp_dim=64,
         )  # fmt: skip

@@ -3,10 +3,11 @@
 The vocabulary is the MIT-licensed `bpe_simple_vocab_16e6.txt.gz` shipped in this package: 256 byte
 symbols, the same with an end-of-word mark `</w>`, 48,894 merges, then `<start_of_text>` (49406) and
 `<end_of_text>` (49407). Meta's cleaning ("lower") is ftfy.fix_text, double html.unescape, whitespace
-collapse and lower-casing; we do the same except that ftfy's mojibake repair is replaced by Unicode NFC
-normalisation (ftfy would be a run-time dependency for text that job inputs rarely contain). The
-pre-tokenizer is Meta's regex `'s|'t|'re|'ve|'m|'ll|'d|[\\p{L}]+|[\\p{N}]|[^\\s\\p{L}\\p{N}]+`
-written out with `unicodedata` categories, so the `regex` package is not needed either.
+collapse and lower-casing. We do the ftfy fixes that change real prompts (NFC, curly quotes to
+straight ones, Latin ligatures, full-width forms, control characters) without ftfy itself; its
+mojibake repair is left out. The pre-tokenizer is Meta's regex
+`'s|'t|'re|'ve|'m|'ll|'d|[\\p{L}]+|[\\p{N}]|[^\\s\\p{L}\\p{N}]+` written out with `unicodedata`
+categories, so neither ftfy nor `regex` is a run-time dependency.
 """
 
 from __future__ import annotations
@@ -41,10 +42,36 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, [chr(c) for c in cs], strict=True))
 
 
+# ftfy's fix_latin_ligatures and uncurl_quotes tables (applied in that order, as ftfy does).
+_LIGATURES = str.maketrans(
+    {
+        "\u0132": "IJ", "\u0133": "ij", "\u0149": "\u02bcn", "\u01f1": "DZ", "\u01f2": "Dz", "\u01f3": "dz",
+        "\u01c4": "D\u017d", "\u01c5": "D\u017e", "\u01c6": "d\u017e", "\u01c7": "LJ", "\u01c8": "Lj",
+        "\u01c9": "lj", "\u01ca": "NJ", "\u01cb": "Nj", "\u01cc": "nj", "\ufb00": "ff", "\ufb01": "fi",
+        "\ufb02": "fl", "\ufb03": "ffi", "\ufb04": "ffl", "\ufb05": "\u017ft", "\ufb06": "st",
+    }
+)  # fmt: skip
+_QUOTES = str.maketrans(
+    {**dict.fromkeys("\u02bc\u2018\u2019\u201a\u201b", "'"), **dict.fromkeys("\u201c\u201d\u201e\u201f", '"')}
+)
+
+
+def _ftfy_lite(text: str) -> str:
+    """The parts of ftfy.fix_text's defaults that matter for prompts (not its mojibake repair)."""
+    text = text.translate(_LIGATURES)
+    # fix_character_width: full-width ASCII and the ideographic space to their normal forms.
+    text = "".join(
+        unicodedata.normalize("NFKC", c) if c == "\u3000" or "\uff01" <= c <= "\uffee" else c for c in text
+    )
+    text = text.translate(_QUOTES)
+    # remove_control_chars (whitespace controls survive; the whitespace collapse handles them).
+    text = "".join(c for c in text if c.isspace() or unicodedata.category(c) != "Cc")
+    return unicodedata.normalize("NFC", text)
+
+
 def clean_text(text: str) -> str:
-    """Meta's "lower" cleaning (see the module docstring for the one difference)."""
-    text = unicodedata.normalize("NFC", text)
-    text = html.unescape(html.unescape(text)).strip()
+    """Meta's "lower" cleaning (see the module docstring for what differs from ftfy)."""
+    text = html.unescape(html.unescape(_ftfy_lite(text))).strip()
     return " ".join(text.split()).lower()
 
 
