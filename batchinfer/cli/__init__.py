@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "eval": "batchinfer.cli.eval:eval_command",
     "slurm": "batchinfer.cli.slurm:slurm_command",
     "run": "batchinfer.cli.run:run_command",
+    "segment": "batchinfer.cli.segment:segment_command",
     "status": "batchinfer.cli.status:status_command",
     "query": "batchinfer.cli.query:query_command",
     "export": "batchinfer.cli.export:export_command",

@@ -70,3 +70,53 @@ class TextEngine(Protocol):
     ) -> Iterator[TextResult]:
         """Yield one result per request (any order). `on_tokens(n)` reports n newly generated tokens."""
         ...
+
+
+# ---- image path: concept segmentation (issue 7) ----
+
+
+@dataclass(slots=True)
+class Instance:
+    """One detected instance of a prompt's concept. `batchinfer.sam3.api.Instance` has the same fields.
+
+    `score` in [0, 1] (the number the score threshold applies to); `presence` = probability that the
+    concept is in the image at all; `box_xyxy` in original-image pixels; `mask` bool [H, W] at the
+    original resolution (numpy array or CPU tensor).
+    """
+
+    score: float
+    presence: float
+    box_xyxy: tuple[float, float, float, float]
+    mask: Any
+
+
+@dataclass(slots=True)
+class ImageRequest:
+    index: int  # the caller's handle, returned unchanged in the result
+    image: Any  # numpy uint8 [h, w, 3] RGB; resized to input_size x input_size when the engine sets one
+    height: int  # original size: boxes and masks come back at this size
+    width: int
+    prompts: list[str]  # distinct, non-empty
+
+
+@dataclass(slots=True)
+class ImageResult:
+    index: int
+    instances: list[list[Any]]  # per prompt (request order): Instance-like objects, highest score first
+    presence: list[float | None]  # per prompt; None when the engine only reports it with instances
+    error: str | None = None  # the image failed in the engine (then instances and presence are empty)
+
+
+class ImageEngine(Protocol):
+    """What the image job layer needs from a segmentation engine."""
+
+    batch_size: int  # images per `segment` call
+    input_size: int | None  # square side the CPU decode workers resize to; None = original images
+
+    def describe(self) -> dict[str, str]:
+        """Facts recorded in output metadata: model path, precision, engine name, device."""
+        ...
+
+    def segment(self, requests: Sequence[ImageRequest], score_threshold: float) -> Iterator[ImageResult]:
+        """Yield one result per request (any order), keeping instances with score > score_threshold."""
+        ...

@@ -1,0 +1,145 @@
+"""`batchinfer segment`: plan (first run) or resume an image segmentation job, then work through its shards.
+
+A command of its own rather than flags on `run`: its inputs (image folders and globs besides Parquet),
+its parameters (prompts, score threshold) and its default engine differ, and none of run's sampling
+flags apply. The plan it writes has task `image`; everything after planning is the shared job layer,
+so `batchinfer run --output DIR` (cron, Slurm array tasks, `--gpus` workers), status, query, export and
+retry-errors work on image jobs unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from batchinfer.errors import InputError
+
+DEFAULT_IMAGE_ENGINE = "batchinfer.sam3.engine:load_engine"
+
+
+@click.command("segment")
+@click.option(
+    "-i",
+    "--input",
+    "inputs",
+    multiple=True,
+    help="Image folder, image glob, image file, or image_input Parquet file/folder/glob (repeatable).",
+)
+@click.option("-o", "--output", required=True, help="Job directory: plan, results, markers, logs.")
+@click.option("-m", "--model", help="Checkpoint (file or folder); optional for model-free engines.")
+@click.option(
+    "-p",
+    "--prompt",
+    "prompts",
+    multiple=True,
+    help="Text prompt to segment (repeatable); for folder/glob inputs, and Parquet rows without prompts.",
+)
+@click.option("--score-threshold", type=float, help="Keep instances with score above this [0.5].")
+@click.option("--shards", type=int, help="Number of shards (row ranges) [one per 100,000 images].")
+@click.option("--shard", "shard_ids", type=int, multiple=True, help="Work only on this shard (repeatable).")
+@click.option("--chunk-rows", type=int, help="Images per committed chunk file [256].")
+@click.option("--keep-columns", help="Comma-separated Parquet input columns to copy to every output row.")
+@click.option("--engine", help=f"Engine factory MODULE:FUNCTION [{DEFAULT_IMAGE_ENGINE}].")
+@click.option("--engine-arg", "engine_args", multiple=True, help="KEY=VALUE passed to the engine factory.")
+@click.option("--progress", type=click.Choice(["bar", "json", "none"]), help="bar (tty default), json, none.")
+@click.option("--force-new-plan", is_flag=True, help="Set the existing plan and results aside; start over.")
+@click.option("--gpus", help="One worker process per GPU, sharing the shards: all, a count (4) or ids (0,2).")
+@click.option("--plan-only", is_flag=True, help="Validate inputs, write plan.json and stop.")
+def segment_command(
+    output: str,
+    shard_ids: tuple[int, ...],
+    force_new_plan: bool,
+    plan_only: bool,
+    gpus: str | None,
+    progress: str | None,
+    **flags: Any,
+) -> None:  # fmt: skip
+    """Segment every image for every prompt: masks, boxes and scores to Parquet, one row per instance.
+
+    The first run lists the images (folders and globs become DIR/inputs/images-*.parquet) and writes
+    DIR/plan.json; rerunning the same command, or `batchinfer run --output DIR`, resumes after the last
+    committed chunk. Unreadable images become error rows; an (image, prompt) pair without detections
+    gets one row with instance null. SIGUSR2/SIGTERM: commit the chunk in flight, exit 75.
+    """
+    from batchinfer.cli.run import default_progress, execute
+    from batchinfer.jobs import plan as plans
+    from batchinfer.jobs.commit import PLAN_FILE
+
+    job_dir = Path(output).resolve()
+    given = {k: v for k, v in flags.items() if v not in (None, ())}
+    if (job_dir / PLAN_FILE).exists() and not force_new_plan:
+        plan = plans.Plan.load(job_dir)
+        if plan.doc["task"] != "image":
+            raise InputError(
+                f"{job_dir / PLAN_FILE}: a {plan.doc['task']!r} job, not an image job; resume it with "
+                f"`batchinfer run --output {job_dir}`"
+            )
+        if given:
+            plan = plans.open_or_create(_build(job_dir, given, plan.doc, check_rows=False))
+        plans.verify_inputs(plan)
+    else:
+        if not given.get("inputs"):
+            raise InputError(f"{job_dir}: a new image job needs --input")
+        candidate = _build(job_dir, given, None, check_rows=True)
+        if force_new_plan:
+            plans.set_aside(job_dir)
+        plan = plans.open_or_create(candidate)
+    for s in shard_ids:
+        plan.shard_range(s)
+    if plan_only:
+        click.echo(f"plan {plan.plan_id}: {plan.doc['total_rows']} images in {plan.num_shards} shards "
+                   f"-> {plan.job_dir}", err=True)  # fmt: skip
+        return
+    if gpus is not None:
+        from batchinfer.jobs import local
+
+        extra = ["--progress", "json" if progress == "json" else "none"]
+        extra += [a for s in shard_ids for a in ("--shard", str(s))]
+        sys.exit(local.run_on_gpus(plan.job_dir, local.parse_gpus(gpus), extra))
+    sys.exit(execute(plan, list(shard_ids) or list(range(plan.num_shards)), progress or default_progress()))
+
+
+def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, check_rows: bool) -> Any:
+    """The image plan `args` describe; unspecified fields come from the existing plan `old` (or defaults)."""
+    from batchinfer.images import sources
+    from batchinfer.images.task import DEFAULT_CHUNK_ROWS, DEFAULT_SCORE_THRESHOLD, clean_prompts
+    from batchinfer.jobs import plan as plans
+    from batchinfer.jobs.engines import check_args, parse_args
+
+    params = dict(old["sampling"]) if old else {"score_threshold": DEFAULT_SCORE_THRESHOLD, "prompts": []}
+    if "prompts" in args:
+        params["prompts"] = clean_prompts(args["prompts"])
+    if "score_threshold" in args:
+        params["score_threshold"] = args["score_threshold"]
+    engine = args.get("engine") or (old["engine"]["factory"] if old else DEFAULT_IMAGE_ENGINE)
+    engine_args = (
+        parse_args(args["engine_args"]) if "engine_args" in args else (old["engine"]["args"] if old else {})
+    )
+    check_args(engine, engine_args)
+    if "inputs" in args:
+        patterns, images = sources.split_inputs(args["inputs"])
+        if images:
+            patterns.append(str(sources.write_manifest(job_dir, images, params["prompts"])))
+    else:
+        patterns = [f["path"] for f in old["inputs"]]
+    keep = args.get("keep_columns")
+    return plans.build_plan(
+        job_dir,
+        patterns,
+        args["model"] if "model" in args else (old["model"]["path"] if old else ""),
+        params,
+        num_shards=args.get("shards") or (len(old["shards"]) if old else None),
+        chunk_rows=args.get("chunk_rows") or (old["chunk_rows"] if old else DEFAULT_CHUNK_ROWS),
+        keep_columns=_columns(keep) if keep else (old["keep_columns"] if old else []),
+        engine=engine,
+        engine_args=engine_args,
+        check_rows=check_rows,
+        task="image",
+    )  # fmt: skip
+
+
+def _columns(text: str) -> list[str]:
+    return [c.strip() for c in text.split(",") if c.strip()]

@@ -1,0 +1,71 @@
+"""Image decoding for the CPU decode workers: a path or encoded bytes in, RGB pixels and the original size
+out, or the reason the image is unusable (a row-level error, never an exception).
+
+EXIF orientation is applied, so height and width are those of the image as viewers show it. With a
+target `size`, the image is resized to size x size (bilinear with antialiasing, aspect ratio not kept,
+as SAM 3's processor does), and JPEG decoding uses Pillow's draft mode to decode at a reduced scale
+first when the target is much smaller. Pillow releases the GIL while decoding and resizing, so a
+thread pool decodes in parallel with the engine.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+_ROTATED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+_DECODE_ERRORS = (
+    OSError,
+    ValueError,
+    SyntaxError,
+    Image.DecompressionBombError,
+    Image.DecompressionBombWarning,
+)
+
+
+@dataclass(slots=True)
+class Decoded:
+    image: np.ndarray | None  # uint8 [h, w, 3] RGB (writable); None on error
+    height: int | None  # original size, after EXIF orientation; None when unknown
+    width: int | None
+    error: str | None = None
+
+
+def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded:
+    """Decode `source`: a file path (relative paths resolve against `base_dir`) or encoded bytes."""
+    if source is None:
+        return Decoded(None, None, None, "image is null; expected a path or encoded image bytes")
+    if isinstance(source, str):
+        what = os.path.join(base_dir, source) if not os.path.isabs(source) else source
+        opener: str | io.BytesIO = what
+        label = f"image file {what!r}"
+    else:
+        opener = io.BytesIO(source)
+        label = f"image bytes ({len(source)} bytes)"
+    height = width = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(opener) as img:
+                width, height = img.size
+                if img.getexif().get(0x0112) in _ROTATED:
+                    width, height = height, width
+                if size is not None and img.format == "JPEG":
+                    img.draft("RGB", (size, size))
+                img = ImageOps.exif_transpose(img)
+                rgb = img.convert("RGB")
+                if size is not None and rgb.size != (size, size):
+                    rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+                pixels = np.array(rgb)
+    except FileNotFoundError:
+        return Decoded(None, None, None, f"{label}: no such file")
+    except UnidentifiedImageError:
+        return Decoded(None, None, None, f"{label}: not an image format Pillow can read")
+    except _DECODE_ERRORS as e:
+        return Decoded(None, height, width, f"{label}: cannot decode ({type(e).__name__}: {e})")
+    return Decoded(pixels, height, width)

@@ -1,0 +1,98 @@
+"""Image job inputs: Parquet files (`schemas/image_input`), or folders and globs of image files, which
+become one manifest Parquet file in the job directory so the shared job layer (plans, shards, row
+ranges, fingerprints) sees nothing but Parquet.
+
+A folder is searched recursively for image files; a row's id is the file's path relative to the folder
+(for a glob, relative to the glob's folder part; for a single file, its name). The manifest is
+`DIR/inputs/images-<hash>.parquet`, its name a hash of the listed files (path, size) and the job's
+prompts, so a rerun over the same folder finds the same manifest and a changed folder makes a
+different plan (refused like a changed input file).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+
+from batchinfer.errors import InputError
+from batchinfer.jobs import commit
+
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jfif"}
+)
+MANIFEST_DIR = "inputs"
+
+
+def _is_image(p: Path) -> bool:
+    return p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def _images_of(pattern: str) -> list[tuple[str, Path]] | None:
+    """(id, path) of the image files `pattern` names, or None when it names Parquet input instead."""
+    p = Path(pattern).expanduser()
+    if p.is_dir():
+        found = sorted(x for x in p.rglob("*") if _is_image(x))
+        if not found and any(p.rglob("*.parquet")):
+            return None
+        if not found:
+            raise InputError(
+                f"{pattern}: folder holds no image files; expected files ending in "
+                f"{', '.join(sorted(IMAGE_EXTENSIONS))} (or Parquet files)"
+            )
+        return [(x.relative_to(p).as_posix(), x) for x in found]
+    if glob.has_magic(pattern):
+        hits = sorted(Path(x) for x in glob.glob(str(p), recursive=True) if Path(x).is_file())
+        if hits and all(h.suffix.lower() == ".parquet" for h in hits):
+            return None
+        found = [h for h in hits if _is_image(h)]
+        if not found:
+            raise InputError(f"{pattern}: matches no image files (nor only Parquet files)")
+        root = Path(*[part for part in p.parts[: _first_magic(p.parts)]])
+        return [(h.relative_to(root).as_posix(), h) for h in found]
+    if p.is_file():
+        return [(p.name, p)] if p.suffix.lower() in IMAGE_EXTENSIONS else None
+    raise InputError(f"{pattern}: no such file or directory")
+
+
+def _first_magic(parts: Sequence[str]) -> int:
+    return next(i for i, part in enumerate(parts) if glob.has_magic(part))
+
+
+def split_inputs(patterns: Sequence[str]) -> tuple[list[str], list[tuple[str, Path]]]:
+    """Separate Parquet inputs (returned as given) from image files (id, absolute path), in input order."""
+    parquet: list[str] = []
+    images: list[tuple[str, Path]] = []
+    for pattern in patterns:
+        found = _images_of(pattern)
+        if found is None:
+            parquet.append(pattern)
+        else:
+            images += [(i, path.resolve()) for i, path in found]
+    return parquet, images
+
+
+def write_manifest(job_dir: Path, images: Sequence[tuple[str, Path]], prompts: Sequence[str]) -> Path:
+    """The manifest Parquet file (id, image path, prompts) of image files; written once, atomically."""
+    if not prompts:
+        raise InputError(
+            f"{len(images)} image files given as folder/glob input but no prompts; "
+            "pass --prompt TEXT (repeatable) to say what to segment"
+        )
+    h = hashlib.sha256("\x00".join(prompts).encode())
+    for image_id, path in images:
+        h.update(f"\x01{image_id}\x00{path}\x00{path.stat().st_size}".encode())
+    final = job_dir / MANIFEST_DIR / f"images-{h.hexdigest()[:16]}.parquet"
+    if not final.exists():
+        table = pa.table(
+            {
+                "id": pa.array([i for i, _ in images], pa.string()),
+                "image": pa.array([str(p) for _, p in images], pa.string()),
+                "prompts": pa.array([list(prompts)] * len(images), pa.list_(pa.string())),
+            }
+        )
+        commit.write_parquet_atomic(final, table, {"batchinfer.manifest": "image files of --input"})
+    return final

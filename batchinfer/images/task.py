@@ -1,0 +1,215 @@
+"""The image task (`plan.json` task `image`): a chunk of image rows -> decode on CPU threads, segment in
+engine batches, masks to COCO RLE -> one output row per (image, prompt, instance) (`schemas/mask_output`).
+
+Pipeline per chunk: a thread pool decodes (and, when the engine asks, resizes) images a few batches
+ahead of the engine, and encodes each batch's masks while the engine works on the next batch, so the
+engine never waits on the CPU unless the CPU is the bottleneck. Unreadable or corrupt images, null
+images and rows without prompts become one error row each (prompt null, error set); an (image, prompt)
+pair without detections becomes one row with instance null, so absence is queryable. Job parameters
+(plan "sampling"): `score_threshold` and the job `prompts` (for rows whose own list is null or empty).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from batchinfer.engine.api import ImageEngine, ImageRequest, ImageResult
+from batchinfer.errors import InputError
+from batchinfer.images import decode, rle
+from batchinfer.jobs import inputs
+from batchinfer.jobs.tasks import Chunk, Task
+
+DEFAULT_SCORE_THRESHOLD = 0.5  # Meta's Sam3Processor and SA-Co evaluation keep score > 0.5
+DEFAULT_CHUNK_ROWS = 256  # images per committed file: a kill loses at most this much work
+DECODE_WORKERS = min(16, os.cpu_count() or 1)
+_PARAMS = {"score_threshold", "prompts"}
+
+
+def clean_prompts(prompts: Sequence[str | None] | None) -> list[str]:
+    """Prompts stripped, without empties and duplicates, in first-seen order."""
+    return list(dict.fromkeys(p.strip() for p in prompts or [] if p and p.strip()))
+
+
+def check_params(params: dict[str, Any]) -> None:
+    unknown = set(params) - _PARAMS
+    if unknown:
+        raise InputError(f"image job parameters: unknown {sorted(unknown)}; known {sorted(_PARAMS)}")
+    thr = params.get("score_threshold")
+    if not isinstance(thr, int | float) or isinstance(thr, bool) or not 0 <= thr < 1:
+        raise InputError(f"--score-threshold must be a number in [0, 1), got {thr!r}")
+    prompts = params.get("prompts")
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise InputError(f"job prompts must be a list of strings, got {prompts!r}")
+
+
+def describe_model(model_path: str) -> dict[str, str]:
+    """The plan's model entry: a checkpoint folder (hash of its config.json) or file (size and tail
+    fingerprint, as input files), or none for model-free engines."""
+    if not model_path:
+        return {"path": "", "config_hash": "", "model_type": "none"}
+    p = Path(model_path).expanduser().resolve()
+    if p.is_dir():
+        config = p / "config.json"
+        if not config.is_file():
+            return {"path": str(p), "config_hash": "", "model_type": "unknown"}
+        try:
+            model_type = str(json.loads(config.read_text()).get("model_type", "unknown"))
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise InputError(f"{config}: not a JSON object ({e})") from None
+        return {"path": str(p), "config_hash": inputs.fingerprint(config, config.stat().st_size),
+                "model_type": model_type}  # fmt: skip
+    if p.is_file():
+        return {"path": str(p), "config_hash": inputs.fingerprint(p, p.stat().st_size),
+                "model_type": p.suffix.lstrip(".") or "file"}  # fmt: skip
+    raise InputError(f"--model {model_path}: no such file or directory")
+
+
+def read_columns(keep_columns: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys(["id", "image", "prompts", *keep_columns]))
+
+
+def metadata(plan: Any) -> dict[str, str]:
+    params = plan.sampling
+    return {
+        "batchinfer.thresholds": json.dumps({"score_threshold": params["score_threshold"]}),
+        "batchinfer.prompts": json.dumps(params["prompts"]),
+    }
+
+
+def _engine(engine: Any) -> ImageEngine:
+    """The real engine behind a jobs.engines.LazyEngine (loaded now: this chunk needs it)."""
+    return engine.get() if hasattr(engine, "get") else engine
+
+
+def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, int]]:
+    engine = _engine(chunk.engine)
+    table = chunk.table
+    n = table.num_rows
+    sources = table.column("image").to_pylist()
+    job_prompts = clean_prompts(chunk.plan.sampling["prompts"])
+    prompts = [clean_prompts(p) or job_prompts for p in table.column("prompts").to_pylist()]
+    files = chunk.plan.inputs
+    offsets = np.array([f.row_offset for f in files], dtype=np.int64)
+    which = np.searchsorted(offsets, chunk.rows, side="right") - 1
+    bases = [str(Path(files[int(w)].path).parent) for w in which]
+    threshold = float(chunk.plan.sampling["score_threshold"])
+    rows: list[list[dict[str, Any]] | None] = [None] * n
+    with ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="decode") as pool:
+        decoding: dict[int, Future[decode.Decoded]] = {}
+        encoding: list[tuple[int, Future[list[dict[str, Any]]]]] = []
+        ahead = 0
+        size = engine.input_size
+        batch = max(1, int(engine.batch_size))
+        for lo in range(0, n, batch):
+            hi = min(lo + batch, n)
+            while ahead < min(n, hi + 2 * batch + DECODE_WORKERS):  # keep the workers busy, memory bounded
+                decoding[ahead] = pool.submit(decode.load, sources[ahead], bases[ahead], size)
+                ahead += 1
+            requests = []
+            for i in range(lo, hi):
+                d = decoding.pop(i).result()
+                if d.error is None and not prompts[i]:
+                    d.error = "no prompts: the row's prompts are null or empty and the job has no --prompt"
+                if d.error is not None:
+                    rows[i] = [_error_row(d.error, d.height, d.width)]
+                else:
+                    requests.append(ImageRequest(i, d.image, d.height, d.width, prompts[i]))
+            expected = {r.index: r for r in requests}
+            for result in engine.segment(requests, threshold):
+                req = expected.pop(result.index, None)
+                if req is None:
+                    raise RuntimeError(f"engine returned an unknown or repeated result index {result.index}")
+                encoding.append((result.index, pool.submit(_result_rows, result, req, threshold)))
+            if expected:
+                raise RuntimeError(f"engine returned no result for {len(expected)} image(s) of the batch")
+        for i, fut in encoding:
+            rows[i] = fut.result()
+    return _table(chunk, rows)
+
+
+def _error_row(error: str, height: int | None, width: int | None) -> dict[str, Any]:
+    return {"height": height, "width": width, "error": error}
+
+
+def _result_rows(result: ImageResult, req: ImageRequest, threshold: float) -> list[dict[str, Any]]:
+    """One row per instance (by descending score) of each prompt, or one instance-less row per prompt."""
+    if result.error is not None:
+        return [_error_row(result.error, req.height, req.width)]
+    if len(result.instances) != len(req.prompts) or len(result.presence) != len(req.prompts):
+        raise RuntimeError(
+            f"engine returned {len(result.instances)} instance lists and {len(result.presence)} presence "
+            f"scores for image {req.index} with {len(req.prompts)} prompts"
+        )
+    out = []
+    base = {"height": req.height, "width": req.width}
+    for j, (prompt, found, presence) in enumerate(
+        zip(req.prompts, result.instances, result.presence, strict=True)
+    ):
+        kept = sorted((x for x in found if x.score > threshold), key=lambda x: -x.score)
+        if not kept:
+            out.append({**base, "prompt": prompt, "prompt_index": j, "presence_score": presence})
+        for k, inst in enumerate(kept):
+            mask = np.asarray(inst.mask, dtype=bool)
+            if mask.shape != (req.height, req.width):
+                raise RuntimeError(
+                    f"engine returned a mask of shape {mask.shape} for image {req.index} of size "
+                    f"{req.height}x{req.width}"
+                )
+            out.append({**base, "prompt": prompt, "prompt_index": j, "instance": k,
+                        "score": float(inst.score), "presence_score": float(inst.presence),
+                        "box": [float(v) for v in inst.box_xyxy], "mask_rle": rle.encode(mask),
+                        "area": int(mask.sum())})  # fmt: skip
+    return out
+
+
+def _table(chunk: Chunk, rows: list[list[dict[str, Any]] | None]) -> tuple[pa.Table, dict[str, int]]:
+    ids = chunk.table.column("id").to_pylist()
+    source: list[int] = []  # input row (in the chunk) of each output row
+    flat: list[dict[str, Any]] = []
+    for i, image_rows in enumerate(rows):
+        assert image_rows is not None, f"row {i} was never processed"
+        source += [i] * len(image_rows)
+        flat += image_rows
+    columns: dict[str, list[Any]] = {
+        "id": [ids[i] for i in source],
+        "row": [int(chunk.rows[i]) for i in source],
+        "attempt": [chunk.attempt] * len(flat),
+        "shard": [chunk.shard] * len(flat),
+    }
+    keep = chunk.table.select(chunk.plan.keep_columns).take(pa.array(source, pa.int64()))
+    arrays = []
+    for f in chunk.schema:
+        if f.name in chunk.plan.keep_columns:
+            arrays.append(keep.column(f.name).cast(f.type))
+        else:
+            values = columns[f.name] if f.name in columns else [r.get(f.name) for r in flat]
+            arrays.append(pa.array(values, type=f.type))
+    out = pa.Table.from_arrays(arrays, schema=chunk.schema)
+    errors = sum(1 for r in rows if r and r[0].get("error") is not None)
+    instances = sum(1 for r in flat if r.get("instance") is not None)
+    counts = {"errors": errors, "skipped": 0, "prompt_tokens": 0, "output_tokens": 0}
+    return out, {**counts, "instances": instances}
+
+
+IMAGE_TASK = Task(
+    name="image",
+    input_schema="image_input",
+    output_schema="mask_output",
+    check_params=check_params,
+    describe_model=describe_model,
+    check_rows=inputs.check_ids,
+    read_columns=read_columns,
+    process=process_chunk,
+    metadata=metadata,
+    outcome_sql="CASE WHEN error IS NULL THEN 'ok' ELSE 'error' END",
+    rows_sql="count(DISTINCT id)",
+    order_sql="row, prompt_index NULLS FIRST, instance NULLS FIRST",
+)
