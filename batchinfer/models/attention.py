@@ -48,9 +48,11 @@ def full_attention(
     longest = int(end.max())
     if longest > capacity:
         raise ValueError(f"KV cache holds {capacity} tokens per row, a row needs {longest}")
-    for b, (s, n) in enumerate(zip(start.tolist(), n_new.tolist(), strict=True)):
-        cache.k[b, :, s : s + n] = k[b, :, :n]
-        cache.v[b, :, s : s + n] = v[b, :, :n]
+    # One indexed write of every real token (row b, token t -> slot start[b] + t), not a loop over rows.
+    rows, t = (torch.arange(T, device=h.device) < n_new[:, None]).nonzero(as_tuple=True)
+    slots = start[rows] + t
+    cache.k[rows, :, slots] = k[rows, :, t]  # [N, Hkv, Dh]
+    cache.v[rows, :, slots] = v[rows, :, t]
     keys = cache.k[:, :, :longest].repeat_interleave(H // Hkv, dim=1)  # [B, H, S, Dh]
     values = cache.v[:, :, :longest].repeat_interleave(H // Hkv, dim=1)
 
