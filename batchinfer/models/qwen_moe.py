@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from batchinfer.checkpoint.layout import weight_specs
 from batchinfer.errors import CheckpointError
 from batchinfer.models.attention import full_attention
 from batchinfer.models.cache import AttentionCache, ModelCache
@@ -26,44 +27,6 @@ if TYPE_CHECKING:
     from batchinfer.models.layers import Linear
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical weight name of this architecture with its (logical, unpacked) shape."""
-    c = config
-    D, H, Hkv, Dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    I, Is = c.moe_intermediate_size, c.shared_expert_intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens": (c.vocab_size, D),
-        "norm": (D,),
-        "lm_head": (c.vocab_size, D),
-    }
-    for i, kind in enumerate(c.layer_types):
-        p = f"layers.{i}."
-        shapes[p + "input_layernorm"] = shapes[p + "post_attention_layernorm"] = (D,)
-        if kind == "full_attention":
-            q_rows = H * Dh * (2 if c.attn_output_gate else 1)
-            shapes |= {p + "self_attn.q_proj": (q_rows, D), p + "self_attn.k_proj": (Hkv * Dh, D)}
-            shapes |= {p + "self_attn.v_proj": (Hkv * Dh, D), p + "self_attn.o_proj": (D, H * Dh)}
-            shapes |= {p + "self_attn.q_norm": (Dh,), p + "self_attn.k_norm": (Dh,)}
-        else:
-            key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-            value_dim = c.linear_num_value_heads * c.linear_value_head_dim
-            Hv = c.linear_num_value_heads
-            la = p + "linear_attn."
-            shapes |= {la + "in_proj_qkv": (2 * key_dim + value_dim, D), la + "in_proj_z": (value_dim, D)}
-            shapes |= {la + "in_proj_b": (Hv, D), la + "in_proj_a": (Hv, D), la + "out_proj": (D, value_dim)}
-            shapes |= {la + "conv1d": (2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim)}
-            shapes |= {la + "A_log": (Hv,), la + "dt_bias": (Hv,), la + "norm": (c.linear_value_head_dim,)}
-        shapes[p + "mlp.gate"] = (c.num_experts, D)
-        for e in range(c.num_experts):
-            for name, shape in zip(_MLP, ((I, D), (I, D), (D, I)), strict=True):
-                shapes[f"{p}mlp.experts.{e}.{name}"] = shape
-        if Is:
-            for name, shape in zip(_MLP, ((Is, D), (Is, D), (D, Is)), strict=True):
-                shapes[f"{p}mlp.shared_expert.{name}"] = shape
-            shapes[p + "mlp.shared_expert_gate"] = (1, D)
-    return shapes
 
 
 class QwenMoeModel:
@@ -79,7 +42,7 @@ class QwenMoeModel:
         weights = dict(weights)
         if "lm_head" not in weights and config.tie_word_embeddings and "embed_tokens" in weights:
             weights["lm_head"] = weights["embed_tokens"]
-        shapes = canonical_shapes(config)
+        shapes = {name: spec.shape for name, spec in weight_specs(config).items()}
         missing = [n for n in shapes if n not in weights]
         if missing:
             raise CheckpointError(f"weights: missing {len(missing)} tensors, first {missing[:3]}")
