@@ -20,6 +20,8 @@ class MultiheadAttention(nn.Module):
         self.in_proj_weight = nn.Parameter(torch.empty(3 * dim, dim))
         self.in_proj_bias = nn.Parameter(torch.empty(3 * dim))
         self.out_proj = nn.Linear(dim, dim)
+        nn.init.xavier_uniform_(self.in_proj_weight)  # torch.nn.MultiheadAttention's init
+        nn.init.zeros_(self.in_proj_bias)
 
     def forward(
         self,

@@ -54,10 +54,12 @@ class TextTransformer(nn.Module):
     def __init__(self, config: Sam3Config) -> None:
         super().__init__()
         self.token_embedding = nn.Embedding(config.vocab_size, config.text_width)
-        self.positional_embedding = nn.Parameter(torch.empty(config.text_context, config.text_width))
+        self.positional_embedding = nn.Parameter(torch.randn(config.text_context, config.text_width) * 0.01)
         self.transformer = Transformer(config)
         self.ln_final = nn.LayerNorm(config.text_width)
-        self.text_projection = nn.Parameter(torch.empty(config.text_width, config.text_proj_dim))
+        self.text_projection = nn.Parameter(
+            torch.randn(config.text_width, config.text_proj_dim) * config.text_width**-0.5
+        )
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens int64 [P, T] -> token states [P, T, text_width]."""

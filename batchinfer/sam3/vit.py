@@ -123,7 +123,7 @@ class ViT(nn.Module):
     def __init__(self, config: Sam3Config) -> None:
         super().__init__()
         self.patch_embed = PatchEmbed(config)
-        self.pos_embed = nn.Parameter(torch.empty(1, config.vit_pretrain_grid**2 + 1, config.vit_dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, config.vit_pretrain_grid**2 + 1, config.vit_dim) * 0.02)
         self.ln_pre = nn.LayerNorm(config.vit_dim, eps=LN_EPS)
         self.blocks = nn.ModuleList(
             Block(config, 0 if i in config.vit_global_blocks else config.vit_window)
