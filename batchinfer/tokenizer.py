@@ -200,7 +200,13 @@ class Tokenizer:
                 "tokenizer_config.json and no chat_template.jinja), so chat messages cannot be rendered; "
                 "give plain prompts instead"
             )
-        return compile_chat_template(self.chat_template)
+        try:
+            return compile_chat_template(self.chat_template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            # A broken checkpoint, not a bad row: every chat would fail the same way.
+            raise ConfigError(
+                f"{self.source}: the chat template does not compile (line {e.lineno}: {e.message})"
+            ) from None
 
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> str:
         """Render validated chat messages to the prompt text the model was trained on."""

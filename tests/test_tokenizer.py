@@ -180,6 +180,16 @@ def test_template_exception_and_missing_template(tok, tmp_path):
     assert bare.encode("hi") == tok.encode("hi")
 
 
+def test_broken_chat_template_is_a_checkpoint_error_not_a_row_error(tmp_path):
+    d = write_bytelevel(
+        tmp_path / "broken", template="{% for m in messages %}{{ m.content | nofilter }}{% endfor %}"
+    )
+    broken = Tokenizer.from_pretrained(d)
+    with pytest.raises(ConfigError, match=r"broken: the chat template does not compile \(line 1: .*nofilter"):
+        broken.encode_chat([{"role": "user", "content": "hi"}])
+    assert broken.encode("hi") == Tokenizer.from_pretrained(write_bytelevel(tmp_path / "ok")).encode("hi")
+
+
 @pytest.mark.parametrize(
     ("messages", "match"),
     [
