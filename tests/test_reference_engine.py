@@ -159,6 +159,14 @@ def test_max_model_len_boundary(ckpt):
         load_engine(ckpt, device="cpu", max_model_len=5000)
 
 
+def test_bad_max_model_len_is_refused_before_the_weights_load(ckpt, tmp_path):
+    no_weights = shutil.copytree(
+        ckpt, tmp_path / "no_weights", ignore=shutil.ignore_patterns("*.safetensors*")
+    )
+    with pytest.raises(ConfigError, match="max_model_len 5000 must be in 1..4096"):
+        load_engine(no_weights, device="cpu", max_model_len=5000)
+
+
 def test_chat_matches_rendered_prompt(engine):
     rendered = engine.tokenizer.apply_chat_template(CHAT)
     res = run(

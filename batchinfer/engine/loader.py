@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from batchinfer.checkpoint.loader import load_checkpoint, read_raw_config
-from batchinfer.engine.reference import DEFAULT_MAX_BATCH_SIZE, ReferenceEngine
+from batchinfer.checkpoint.loader import load_checkpoint, model_config_from_hf, read_raw_config
+from batchinfer.engine.reference import DEFAULT_MAX_BATCH_SIZE, ReferenceEngine, context_limit
 from batchinfer.errors import ConfigError
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
 from batchinfer.models.qwen_moe import QwenMoeModel
@@ -86,8 +86,10 @@ def load_engine(
         raise ConfigError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
     started = time.perf_counter()
     raw = read_raw_config(path)
-    tokenizer = Tokenizer.from_pretrained(path)  # cheap, and fails fast before the weights load
-    config, weights = load_checkpoint(path, device=dev, dtype=torch_dtype)
+    config = model_config_from_hf(raw, source=str(path / "config.json"))
+    context_limit(config, max_model_len, str(path))  # these fail fast, before the weights load
+    tokenizer = Tokenizer.from_pretrained(path)
+    _, weights = load_checkpoint(path, config=config, device=dev, dtype=torch_dtype)
     quantization = describe_quantization(weights, raw)
     model = QwenMoeModel(config, weights, dtype=torch_dtype)
     log.info(

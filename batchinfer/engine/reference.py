@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from batchinfer.engine.api import SamplingParams, TextRequest, TextResult
 from batchinfer.errors import ConfigError, InputError
+from batchinfer.models.config import ModelConfig
 from batchinfer.models.generate import generate
 from batchinfer.models.qwen_moe import QwenMoeModel
 from batchinfer.tokenizer import Tokenizer
@@ -27,6 +28,18 @@ class _Row:
     index: int
     prompt_ids: list[int]
     sampling: SamplingParams
+
+
+def context_limit(config: ModelConfig, max_model_len: int | None, model_path: str) -> int:
+    """The context limit (prompt + max_tokens) to enforce: `max_model_len` if given, which may only
+    lower the model's `max_position_embeddings`."""
+    limit = config.max_position_embeddings
+    if max_model_len is not None and not 0 < max_model_len <= limit:
+        raise ConfigError(
+            f"max_model_len {max_model_len} must be in 1..{limit} "
+            f"(the max_position_embeddings of {model_path})"
+        )
+    return max_model_len or limit
 
 
 class ReferenceEngine:
@@ -45,19 +58,13 @@ class ReferenceEngine:
         max_model_len: int | None = None,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     ) -> None:
-        limit = model.config.max_position_embeddings
-        if max_model_len is not None and not 0 < max_model_len <= limit:
-            raise ConfigError(
-                f"max_model_len {max_model_len} must be in 1..{limit} "
-                f"(the max_position_embeddings of {model_path})"
-            )
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.quantization = quantization
-        self.max_model_len = max_model_len or limit
+        self.max_model_len = context_limit(model.config, max_model_len, model_path)
         self._limit_source = "max_model_len" if max_model_len else "max_position_embeddings"
         self.max_batch_size = max_batch_size
         self.stop_token_ids = frozenset(tokenizer.eos_token_ids)
