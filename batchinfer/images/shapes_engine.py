@@ -13,6 +13,7 @@ Without one the score is 1. Presence is the best score of the prompt. Determinis
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -82,13 +83,16 @@ def components(mask: np.ndarray) -> list[np.ndarray]:
 class ColorShapesSegmenter:
     """The segmenter (SAM 3's `segment` signature) behind ColorShapesEngine."""
 
-    def __init__(self, tolerance: int = 64, min_area: int = 16) -> None:
+    def __init__(self, tolerance: int = 64, min_area: int = 16, delay: float = 0.0) -> None:
         self.tolerance = tolerance
         self.min_area = min_area
+        self.delay = delay
 
     def segment(
         self, images: Sequence[object], prompts: Sequence[Sequence[str]], score_threshold: float
     ) -> list[list[list[Instance]]]:
+        if self.delay:
+            time.sleep(self.delay * len(images))
         return [
             [self._one(np.asarray(img), p, score_threshold) for p in image_prompts]
             for img, image_prompts in zip(images, prompts, strict=True)
@@ -126,12 +130,17 @@ def ColorShapesEngine(  # noqa: N802 - a factory named like the engine it builds
     input_size: str = "0",
     tolerance: str = "64",
     min_area: str = "16",
+    delay: str = "0",
 ) -> SegmenterEngine:
     """`--engine batchinfer.images.shapes_engine:ColorShapesEngine`; `--engine-arg input_size=N` makes
-    the decode workers shrink images to N x N first (masks come back nearest-upsampled)."""
+    the decode workers shrink images to N x N first (masks come back nearest-upsampled); `delay`
+    seconds per image stand in for GPU time when rehearsing kills and preemption."""
     size = int(input_size)
     facts = {"engine": "color-shapes", "model": str(model_path), "quantization": "none", "device": "cpu"}
     facts |= {"tolerance": tolerance, "min_area": min_area}
     return SegmenterEngine(
-        ColorShapesSegmenter(int(tolerance), int(min_area)), facts, int(batch_size), size or None
+        ColorShapesSegmenter(int(tolerance), int(min_area), float(delay)),
+        facts,
+        int(batch_size),
+        size or None,
     )

@@ -11,6 +11,7 @@ pair without detections becomes one row with instance null, so absence is querya
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from batchinfer.engine.api import ImageEngine, ImageRequest, ImageResult
 from batchinfer.errors import InputError
@@ -100,6 +102,12 @@ def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, int]]:
     offsets = np.array([f.row_offset for f in files], dtype=np.int64)
     which = np.searchsorted(offsets, chunk.rows, side="right") - 1
     bases = [str(Path(files[int(w)].path).parent) for w in which]
+    # files may differ in the image column's type (paths vs bytes); reading several promotes paths to bytes
+    is_path = {int(w): pa.types.is_string(_image_type(files[int(w)].path)) for w in set(which.tolist())}
+    sources = [
+        s.decode() if isinstance(s, bytes) and is_path[int(w)] else s
+        for s, w in zip(sources, which, strict=True)
+    ]
     threshold = float(chunk.plan.sampling["score_threshold"])
     rows: list[list[dict[str, Any]] | None] = [None] * n
     with ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="decode") as pool:
@@ -133,6 +141,12 @@ def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, int]]:
         for i, fut in encoding:
             rows[i] = fut.result()
     return _table(chunk, rows)
+
+
+@functools.cache
+def _image_type(path: str) -> pa.DataType:
+    t = pq.read_schema(path).field("image").type
+    return pa.string() if pa.types.is_string(t) or pa.types.is_large_string(t) else t
 
 
 def _error_row(error: str, height: int | None, width: int | None) -> dict[str, Any]:

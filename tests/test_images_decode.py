@@ -1,0 +1,47 @@
+"""Image decoding: formats, resize, EXIF orientation, and every way an image fails as an error value."""
+
+import io
+
+import numpy as np
+from images_fixtures import encoded, scene
+from PIL import Image
+
+from batchinfer.images.decode import load
+
+
+def test_png_path_and_bytes_give_exact_pixels(tmp_path):
+    scene(1).save(tmp_path / "a.png")
+    for source, base in (("a.png", str(tmp_path)), (str(tmp_path / "a.png"), "/elsewhere"), (encoded(1), "")):
+        d = load(source, base, None)
+        assert d.error is None and (d.height, d.width) == (64, 96)
+        assert d.image.shape == (64, 96, 3) and d.image.dtype == np.uint8 and d.image.flags.writeable
+        assert np.array_equal(d.image, np.asarray(scene(1)))
+
+
+def test_resize_keeps_original_size_and_converts_modes():
+    d = load(encoded(0, "JPEG"), "", 32)
+    assert d.error is None and d.image.shape == (32, 32, 3) and (d.height, d.width) == (64, 96)
+    buf = io.BytesIO()
+    Image.new("L", (10, 20), 200).save(buf, "PNG")  # greyscale -> RGB
+    d = load(buf.getvalue(), "", None)
+    assert d.image.shape == (20, 10, 3) and (d.image == 200).all()
+
+
+def test_exif_orientation_is_applied():
+    im = Image.new("RGB", (40, 10), (255, 0, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise for display
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", exif=exif.tobytes())
+    d = load(buf.getvalue(), "", None)
+    assert (d.height, d.width) == (40, 10) and d.image.shape == (40, 10, 3)
+
+
+def test_failures_are_values_not_exceptions(tmp_path):
+    data = encoded(0, "JPEG")
+    truncated = load(data[: len(data) // 2], "", None)
+    assert truncated.image is None and "truncated" in truncated.error.lower()
+    assert "not an image format" in load(b"garbage", "", None).error
+    missing = load("nope.png", str(tmp_path), None)
+    assert missing.error == f"image file '{tmp_path / 'nope.png'}': no such file"
+    assert load(None, "", None).error.startswith("image is null")
