@@ -12,11 +12,16 @@ PRESETS = ("qwen3.6-35b-a3b", "qwen3-30b-a3b", "tiny-qwen3.5-moe", "tiny-qwen3-m
 
 
 def check_out_dir(out: Path, force: bool) -> None:
-    """Refuse to write into a folder that already holds a checkpoint, unless --force."""
+    """Refuse to write into a folder that already holds a checkpoint (unless --force) or that cannot be
+    created, before any weights are drawn or quantized."""
     if out.is_file():
         raise CheckpointError(f"{out}: exists and is a file; expected a folder")
     if not force and out.is_dir() and any(out.glob("*.safetensors")) | (out / "config.json").exists():
         raise CheckpointError(f"{out}: already holds a checkpoint; pass --force to overwrite it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot create the folder ({e.strerror or e})") from None
 
 
 def describe(out: Path) -> str:
