@@ -104,6 +104,7 @@ def load_sam3_state_dict(
         raise CheckpointError(
             f"{path}: {len(missing)} tensors missing, e.g. "
             + ", ".join(f"detector.{k} (expected shape {expected[k]})" for k in missing[:2])
+            + f"; expected the layout of {'the real SAM 3' if config == Sam3Config.real() else 'this'} config"
         )
     for key, shape in expected.items():
         if key not in state:

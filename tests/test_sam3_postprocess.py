@@ -1,0 +1,81 @@
+import math
+
+import pytest
+import torch
+
+from batchinfer.errors import InputError
+from batchinfer.sam3.postprocess import preprocess_image, select_instances
+
+
+def test_preprocess_normalises_to_minus_one_one():
+    img = torch.tensor([[[0, 255, 51]]], dtype=torch.uint8).expand(4, 4, 3).contiguous()
+    out = preprocess_image(img, 4)
+    assert out.shape == (3, 4, 4)
+    assert out[:, 0, 0].tolist() == pytest.approx([-1.0, 1.0, 51 / 255 * 2 - 1])
+
+
+def test_preprocess_resizes_without_keeping_aspect():
+    img = torch.full((10, 30, 3), 200, dtype=torch.uint8)
+    img[:, 15:] = 0
+    out = preprocess_image(img, 8)
+    assert out.shape == (3, 8, 8)
+    assert out[0, :, 0].tolist() == pytest.approx([200 / 255 * 2 - 1] * 8)
+    assert out[0, :, 7].tolist() == pytest.approx([-1.0] * 8)
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(4, 4, 3), torch.zeros(4, 4, dtype=torch.uint8)])
+def test_preprocess_rejects_wrong_images(bad):
+    with pytest.raises(InputError, match=r"uint8 tensor \[H, W, 3\]"):
+        preprocess_image(bad, 4)
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def test_scores_threshold_order_and_boxes():
+    logits = torch.tensor([_logit(0.5), _logit(0.9), _logit(0.99), _logit(0.2)])
+    presence = torch.tensor(_logit(0.8))
+    boxes = torch.tensor(
+        [[0.5, 0.5, 0.5, 0.25], [0.1, 0.1, 0.4, 0.4], [0.5, 0.5, 0.2, 0.2], [0.5, 0.5, 1, 1]]
+    )
+    masks = torch.zeros(4, 2, 2)
+    res = select_instances(logits, presence, boxes, masks, height=100, width=200, score_threshold=0.3)
+    assert res.presence == pytest.approx(0.8)
+    # scores 0.4, 0.72, 0.792, 0.16 -> above 0.3, best first: query 2, 1, 0
+    assert [i.score for i in res.instances] == pytest.approx([0.792, 0.72, 0.4])
+    assert res.instances[0].box_xyxy == pytest.approx((80.0, 40.0, 120.0, 60.0))
+    assert res.instances[2].box_xyxy == pytest.approx((50.0, 37.5, 150.0, 62.5))
+    # query 1 reaches past the top-left corner: clamped to the image
+    assert res.instances[1].box_xyxy == pytest.approx((0.0, 0.0, 60.0, 30.0))
+    assert all(i.presence == pytest.approx(0.8) for i in res.instances)
+
+
+def test_no_instances_keeps_presence():
+    res = select_instances(
+        torch.tensor([-5.0]), torch.tensor(-2.0), torch.rand(1, 4), torch.zeros(1, 2, 2), 3, 3, 0.5
+    )
+    assert res.instances == [] and res.presence == pytest.approx(1 / (1 + math.exp(2)))
+
+
+def test_mask_bilinear_upsampling_by_hand():
+    # 2x2 logits [[1, -1], [-1, 1]] to 4x4 (align_corners=False): samples at -0.25, 0.25, 0.75, 1.25
+    # give rows/cols weights (1, 0), (.75, .25), (.25, .75), (0, 1); the sign pattern is block diagonal.
+    masks = torch.tensor([[[1.0, -1.0], [-1.0, 1.0]]])
+    res = select_instances(
+        torch.tensor([5.0]), torch.tensor(5.0), torch.tensor([[0.5, 0.5, 1.0, 1.0]]), masks, 4, 4, 0.5
+    )
+    mask = res.instances[0].mask
+    assert mask.dtype == torch.bool and mask.shape == (4, 4)
+    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+def test_mask_at_original_non_square_size():
+    masks = torch.full((1, 8, 8), 3.0)
+    masks[0, :, 4:] = -3.0
+    res = select_instances(
+        torch.tensor([5.0]), torch.tensor(5.0), torch.tensor([[0.5, 0.5, 1.0, 1.0]]), masks, 5, 20, 0.5
+    )
+    mask = res.instances[0].mask
+    assert mask.shape == (5, 20)
+    assert mask[:, :10].all() and not mask[:, 10:].any()
