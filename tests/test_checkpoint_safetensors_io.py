@@ -122,6 +122,23 @@ def test_inconsistent_header_entries(tmp_path):
         read_header(f)
 
 
+def test_trailing_bytes_gaps_and_overlaps_are_caught_before_safetensors_reads(tmp_path):
+    good = tmp_path / "good.safetensors"
+    save_file(TENSORS, str(good))
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(good.read_bytes() + b"junk")  # e.g. two copies written into one file
+    with pytest.raises(CheckpointError, match=r"cover \d+ bytes of data but the file holds \d+ \(trailing"):
+        TensorSource.from_path(tmp_path)
+    entry = {"dtype": "U8", "shape": [2]}
+    _write_raw(f, json.dumps({"w": {**entry, "data_offsets": [1, 3]}}).encode(), b"\0" * 3)
+    with pytest.raises(CheckpointError, match=r"tensor 'w' starts at data byte 1, expected 0"):
+        read_header(f)
+    overlap = {"v": {**entry, "data_offsets": [0, 2]}, "w": {**entry, "data_offsets": [1, 3]}}
+    _write_raw(f, json.dumps(overlap).encode(), b"\0" * 3)
+    with pytest.raises(CheckpointError, match=r"tensor 'w' starts at data byte 1, expected 2"):
+        read_header(f)
+
+
 def test_in_memory_source_moves_and_casts_without_touching_originals():
     src = TensorSource.from_tensors(TENSORS)
     assert src.infos["a"].file == "<memory>" and src.infos["a"].shape == (3, 4)

@@ -77,6 +77,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         )
     data_size = size - 8 - n
     infos: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -108,6 +109,21 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 f"but the file holds only {data_size} bytes of data"
             )
         infos[name] = TensorInfo(tuple(shape), dtype, str(file))
+        spans.append((begin, end, name))
+    # safetensors itself refuses data with gaps, overlaps or trailing bytes; say so here, naming the file.
+    covered = 0
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            raise CheckpointError(
+                f"{file}: corrupt safetensors header: tensor {name!r} starts at data byte {begin}, expected "
+                f"{covered} (tensors must tile the data without gaps or overlaps)"
+            )
+        covered = end
+    if covered != data_size:
+        raise CheckpointError(
+            f"{file}: corrupt safetensors file: its tensors cover {covered} bytes of data but the file holds "
+            f"{data_size} (trailing bytes after the last tensor)"
+        )
     return infos
 
 
