@@ -6,9 +6,10 @@ Contract of `run_shard(plan, shard_id, engine, *, stop=None, progress=None) -> S
   it returns at once with status "locked" and touches nothing.
 - It processes every attempt with rows in the shard (1 = the plan's row range, 2.. = retry-errors
   attempts) in order, in chunks of `plan.chunk_rows` rows. A chunk whose file exists is committed and
-  skipped; stray temporary files of killed writers are removed. Each chunk is read, sent to
-  `engine.generate` in one call and published atomically as one Parquet file. After the last chunk of
-  an attempt it writes the attempt's shard marker. Returns status "done".
+  skipped; stray temporary files of killed writers are removed. Each chunk is read, handed to the
+  plan's task (`jobs.tasks`: one `engine.generate` call for text, batched `engine.segment` calls for
+  images) and published atomically as one Parquet file. After the last chunk of an attempt it writes
+  the attempt's shard marker. Returns status "done".
 - Before each chunk it checks `stop` (a StopFlag, set by SIGUSR2/SIGTERM once `install()`ed): when set,
   it returns status "stopped" with the chunk in flight committed; the process should exit EXIT_STOPPED
   so Slurm requeues it. The handler only sets the flag; nothing exits from inside it.
