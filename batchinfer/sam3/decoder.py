@@ -92,7 +92,7 @@ class Decoder(nn.Module):
         self.ref_point_head = MLP(2 * d, d, d, 2)
 
     def box_rpb(self, boxes: Tensor, h: int, w: int) -> Tensor:
-        """boxes cxcywh [N, Q, 4] -> additive attention bias [N, heads, Q, h*w] (Meta's `_get_rpb_matrix`)."""
+        """boxes cxcywh [N, Q, 4] (fp32) -> additive bias [N, heads, Q, h*w] (Meta's `_get_rpb_matrix`)."""
         xyxy = box_cxcywh_to_xyxy(boxes)
         coords_h = torch.arange(h, dtype=torch.float32, device=boxes.device) / h
         coords_w = torch.arange(w, dtype=torch.float32, device=boxes.device) / w
@@ -103,8 +103,9 @@ class Decoder(nn.Module):
             v = v * 8
             return torch.sign(v) * torch.log2(v.abs() + 1.0) / math.log2(8)
 
-        by = self.boxRPB_embed_y(log_scale(dy).to(boxes.dtype))  # [N, Q, h, heads]
-        bx = self.boxRPB_embed_x(log_scale(dx).to(boxes.dtype))  # [N, Q, w, heads]
+        dtype = self.boxRPB_embed_y.layers[0].weight.dtype
+        by = self.boxRPB_embed_y(log_scale(dy).to(dtype))  # [N, Q, h, heads]
+        bx = self.boxRPB_embed_x(log_scale(dx).to(dtype))  # [N, Q, w, heads]
         bias = by[:, :, :, None, :] + bx[:, :, None, :, :]  # [N, Q, h, w, heads]
         return bias.flatten(2, 3).permute(0, 3, 1, 2).contiguous()
 
@@ -117,10 +118,11 @@ class Decoder(nn.Module):
         prompt_mask: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """memory, memory_pos [N, HW, d]; prompt [N, Lp, d] -> (queries [N, Q, d] after the output
-        norm, boxes cxcywh in [0, 1] [N, Q, 4], presence logit [N]) of the last layer."""
+        norm, boxes cxcywh in [0, 1] float32 [N, Q, 4], presence logit [N]) of the last layer."""
         n, dtype = memory.shape[0], memory.dtype
         x = self.query_embed.weight[None].expand(n, -1, -1)
-        boxes = self.reference_points.weight.sigmoid()[None].expand(n, -1, -1)
+        # Boxes stay fp32 in a bf16 model, as they do in Meta's bf16-autocast runs (fp32 parameters).
+        boxes = self.reference_points.weight.float().sigmoid()[None].expand(n, -1, -1)
         presence = self.presence_token.weight[None].expand(n, 1, -1)
         for layer in self.layers:
             pos = self.ref_point_head(box_sine_embed(boxes, x.shape[-1]).to(dtype))
@@ -129,6 +131,6 @@ class Decoder(nn.Module):
             rpb = torch.cat([torch.zeros_like(rpb[:, :, :1]), rpb], dim=2)
             out = layer(torch.cat([presence, x], dim=1), pos, prompt, prompt_mask, memory, memory_pos, rpb)
             presence, x = out[:, :1], out[:, 1:]
-            boxes = (self.bbox_embed(self.norm(x)) + inverse_sigmoid(boxes)).sigmoid()
+            boxes = (self.bbox_embed(self.norm(x)).float() + inverse_sigmoid(boxes)).sigmoid()
         presence_logit = self.presence_token_head(self.presence_token_out_norm(presence))[:, 0, 0]
         return self.norm(x), boxes, presence_logit
