@@ -90,6 +90,14 @@ def test_text_cache_reuses_encodings(model):
     assert torch.equal(again[0], first[1])
 
 
+def test_text_cache_follows_dtype_changes():
+    m = Sam3Model(TINY).eval()
+    m.encode_prompts(["cat"])
+    m.to(torch.bfloat16)
+    feats, _ = m.encode_prompts(["cat"])
+    assert feats.dtype == torch.bfloat16
+
+
 def test_bad_inputs(model):
     with pytest.raises(InputError, match="2 images but 1 prompt lists"):
         model.segment([_pattern_image(), _pattern_image()], [["cat"]], 0.5)

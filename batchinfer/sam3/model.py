@@ -99,9 +99,13 @@ class Sam3Model(nn.Module):
 
     def encode_prompts(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """Distinct prompt strings -> (features [P, T, d], padding mask bool [P, T]); cached per string."""
+        param = self._param()
+        cached = next(iter(self._text_cache.values()), None)
+        if cached is not None and (cached[0].device, cached[0].dtype) != (param.device, param.dtype):
+            self._text_cache.clear()  # the model moved or changed precision since
         missing = list(dict.fromkeys(p for p in prompts if p not in self._text_cache))
         if missing:
-            tokens = self.tokenizer(missing, self.config.text_context).to(self._param().device)
+            tokens = self.tokenizer(missing, self.config.text_context).to(param.device)
             feats, mask = self.backbone.language_backbone(tokens)
             for i, prompt in enumerate(missing):
                 self._text_cache[prompt] = (feats[i], mask[i])
