@@ -105,10 +105,11 @@ class QwenMoeModel:
         if n_new is None:
             n_new = torch.full((B,), T, dtype=torch.int64, device=self.device)
         n_new = torch.as_tensor(n_new, dtype=torch.int64, device=self.device)
-        if int(n_new.min()) < 1 or int(n_new.max()) > T:
+        if not bool(((n_new >= 1) & (n_new <= T)).all()):
             raise ValueError(f"n_new must be in 1..{T} per row, got {n_new.tolist()}")
         start = cache.lengths
         valid = torch.arange(T, device=self.device) < n_new[:, None]  # [B, T]
+        real = valid.nonzero(as_tuple=True)  # (row, position) of each real token; the forward's one sync
         positions = start[:, None] + torch.arange(T, device=self.device)
         rope = rope_tables(positions, c.rotary_dim, c.rope_theta, self.dtype)
         eps, one_plus = c.rms_norm_eps, c.one_plus_norm
@@ -122,8 +123,8 @@ class QwenMoeModel:
             else:
                 h = gated_deltanet(h, lw, c, layer_cache, n_new, valid)
             x = x + h
-            h = rms_norm(x[valid], lw["post_attention_layernorm"], eps, one_plus)  # [N, D] real tokens only
-            x[valid] = x[valid] + sparse_moe(h, lw, self._experts[i], c, self._shared[i])
+            h = rms_norm(x[real], lw["post_attention_layernorm"], eps, one_plus)  # [N, D] real tokens only
+            x[real] = x[real] + sparse_moe(h, lw, self._experts[i], c, self._shared[i])
         cache.lengths = start + n_new
         if not all_logits:
             x = x[torch.arange(B, device=self.device), n_new - 1]  # [B, D]
