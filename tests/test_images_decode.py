@@ -45,3 +45,9 @@ def test_failures_are_values_not_exceptions(tmp_path):
     missing = load("nope.png", str(tmp_path), None)
     assert missing.error == f"image file '{tmp_path / 'nope.png'}': no such file"
     assert load(None, "", None).error.startswith("image is null")
+
+
+def test_decompression_bomb_is_an_error_value(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 96 x 64 > 2 x 1000 pixels
+    d = load(encoded(0), "", None)
+    assert d.image is None and "DecompressionBombError" in d.error

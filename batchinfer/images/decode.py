@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import os
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +23,6 @@ _DECODE_ERRORS = (
     ValueError,
     SyntaxError,
     Image.DecompressionBombError,
-    Image.DecompressionBombWarning,
 )
 
 
@@ -49,19 +47,17 @@ def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded
         label = f"image bytes ({len(source)} bytes)"
     height = width = None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(opener) as img:
-                width, height = img.size
-                if img.getexif().get(0x0112) in _ROTATED:
-                    width, height = height, width
-                if size is not None and img.format == "JPEG":
-                    img.draft("RGB", (size, size))
-                img = ImageOps.exif_transpose(img)
-                rgb = img.convert("RGB")
-                if size is not None and rgb.size != (size, size):
-                    rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-                pixels = np.array(rgb)
+        with Image.open(opener) as img:  # over 2x Image.MAX_IMAGE_PIXELS: DecompressionBombError
+            width, height = img.size
+            if img.getexif().get(0x0112) in _ROTATED:
+                width, height = height, width
+            if size is not None and img.format == "JPEG":
+                img.draft("RGB", (size, size))
+            img = ImageOps.exif_transpose(img)
+            rgb = img.convert("RGB")
+            if size is not None and rgb.size != (size, size):
+                rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+            pixels = np.array(rgb)
     except FileNotFoundError:
         return Decoded(None, None, None, f"{label}: no such file")
     except UnidentifiedImageError:
