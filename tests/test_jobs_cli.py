@@ -295,3 +295,11 @@ def test_gpus_runs_one_worker_per_device(tmp_path):
     assert "[gpu 0]" in r.stderr and "[gpu 1]" in r.stderr
     s = json.loads(run_cli("status", str(out), "--json").stdout)
     assert (s["rows_done"], s["shards_done"]) == (20, 4)
+
+
+def test_eval_refuses_unknown_engine_arg_before_writing_anything(tmp_path):
+    r = run_cli(
+        "eval", "-m", str(tmp_path / "model"), "-o", str(tmp_path / "ev"), "--engine-arg", "devic=cpu"
+    )
+    assert r.returncode == 2 and "got an unexpected keyword argument 'devic'; it accepts device," in r.stderr
+    assert not (tmp_path / "ev").exists()

@@ -39,9 +39,11 @@ def eval_command(
     from batchinfer.demo.evaluate import accuracy, write_heldout
     from batchinfer.demo.tasks import get_task
     from batchinfer.jobs import plan as plans
-    from batchinfer.jobs.engines import parse_args
+    from batchinfer.jobs.engines import check_args, parse_args
 
     names = [get_task(t.strip()).name for t in tasks.split(",")] if tasks else None
+    engine_args = parse_args(engine_arg)
+    check_args(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
     job_dir = Path(output).resolve()
     prompts = write_heldout(job_dir / "heldout.parquet", n_per_task, seed, names)
     plan = plans.open_or_create(
@@ -58,7 +60,7 @@ def eval_command(
                 "ignore_eos": False,
             },
             keep_columns=["task", "answer"],
-            engine_args=parse_args(engine_arg),
+            engine_args=engine_args,
         )
     )
     code = execute(plan, list(range(plan.num_shards)), progress or default_progress())
