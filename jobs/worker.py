@@ -218,14 +218,15 @@ def _process_chunk(
         job.base_meta = file_metadata(job.plan, job.engine)
     commit.write_parquet_atomic(path, out, {**job.base_meta, CHUNK_META: json.dumps(stats)})
     log.info(
-        "shard %05d attempt %d chunk %d committed: %d rows (%d errors, %d skipped), %d tokens in %.2f s",
+        "shard %05d attempt %d chunk %d committed: %d rows (%d errors, %d skipped), %d %s in %.2f s",
         shard,
         attempt,
         chunk,
         stats["rows"],
         stats["errors"],
         stats["skipped"],
-        stats["output_tokens"],
+        stats.get("instances", stats["output_tokens"]),
+        "instances" if "instances" in stats else "tokens",
         stats["seconds"],
     )
     if job.progress:

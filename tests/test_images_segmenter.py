@@ -7,6 +7,7 @@ import torch
 
 from batchinfer.engine.api import ImageRequest, Instance
 from batchinfer.images.segmenter import SegmenterEngine
+from batchinfer.sam3.api import PairResult
 
 
 class FakeSam:
@@ -48,6 +49,26 @@ def test_resized_inputs_come_back_at_original_size():
     (inst,) = r.instances[0]
     assert inst.mask.shape == (40, 20) and inst.mask[:20, :10].all() and inst.mask.sum() == 200
     assert inst.box_xyxy == (0.0, 0.0, 10.0, 20.0)
+
+
+class FakeSamWithPairs(FakeSam):
+    """Also reports per-pair presence, as Sam3Model.segment_pairs does: prompt "none" finds nothing."""
+
+    def segment_pairs(self, images, prompts, score_threshold):
+        found = self.segment(images, prompts, score_threshold)
+        return [
+            [
+                PairResult(0.01 if p == "none" else 0.95, [] if p == "none" else insts)
+                for p, insts in zip(ps, per, strict=True)
+            ]
+            for ps, per in zip(prompts, found, strict=True)
+        ]
+
+
+def test_segment_pairs_gives_presence_without_instances():
+    engine = SegmenterEngine(FakeSamWithPairs(), {})
+    (r,) = engine.segment([ImageRequest(3, np.zeros((4, 4, 3), np.uint8), 4, 4, ["x", "none"])], 0.5)
+    assert [len(i) for i in r.instances] == [1, 0] and r.presence == [0.95, 0.01]
 
 
 def test_contract_violations_raise():

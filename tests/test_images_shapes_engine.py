@@ -31,7 +31,7 @@ def test_colours_shapes_and_scores():
     assert len(triangle) == 1 and triangle[0].box_xyxy[1] == 40.0
     (blue,) = square  # 24x16: a rectangle, so its square score is 2/3
     assert np.array_equal(blue.mask, blue_mask()) and abs(blue.score - 16 / 24) < 1e-6
-    assert green == [] and r.presence[4] is None
+    assert green == [] and r.presence[4] == 0.0  # absent: presence still reported
     assert r.presence[0] == 1.0
 
 

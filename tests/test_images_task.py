@@ -45,6 +45,7 @@ def test_folder_job_one_row_per_instance_absence_and_error(tmp_path):
         assert [r["instance"] for r in per[(name, "red")]] == ([0, 1] if k % 2 else [0])
         (green,) = per[(name, "green")]  # absence is one queryable row
         assert green["instance"] is None and green["mask_rle"] is None and green["error"] is None
+        assert green["presence_score"] == 0.0 and green["score"] is None
         (blue,) = per[(name, "blue")]
         assert (blue["height"], blue["width"]) == (64, 96) and blue["prompt_index"] == 1
         mask = rle.decode(blue["mask_rle"], 64, 96)

@@ -1,5 +1,7 @@
 """`SegmenterEngine`: turns a model with SAM 3's `segment(images, prompts, score_threshold)` method
-(`batchinfer.sam3.api.ImageSegmenter`) into the `ImageEngine` the job layer calls.
+(`batchinfer.sam3.api.ImageSegmenter`) into the `ImageEngine` the job layer calls. When the model also
+has `segment_pairs` (same arguments; per image and prompt a `PairResult(presence, instances)`, as
+`Sam3Model` does), that is used, so prompts without instances still get their presence score.
 
 The segmenter takes uint8 [H, W, 3] tensors of any size and returns, per image and prompt, instances at
 that image's size. With `input_size` set, the CPU decode workers hand over images already resized to a
@@ -46,7 +48,17 @@ class SegmenterEngine:
         if not requests:
             return
         images = [torch.from_numpy(np.ascontiguousarray(r.image)) for r in requests]
-        found = self.segmenter.segment(images, [r.prompts for r in requests], score_threshold)
+        prompts = [r.prompts for r in requests]
+        pairs = getattr(self.segmenter, "segment_pairs", None)
+        if pairs is not None:  # also the presence of prompts without instances (sam3.api.PairResult)
+            found = [
+                [(p.instances, p.presence) for p in per] for per in pairs(images, prompts, score_threshold)
+            ]
+        else:
+            found = [
+                [(insts, insts[0].presence if insts else None) for insts in per]
+                for per in self.segmenter.segment(images, prompts, score_threshold)
+            ]
         if len(found) != len(requests):
             raise RuntimeError(f"segmenter returned {len(found)} results for {len(requests)} images")
         for req, per_prompt in zip(requests, found, strict=True):
@@ -55,8 +67,8 @@ class SegmenterEngine:
                     f"segmenter returned {len(per_prompt)} prompt results for request {req.index} "
                     f"with {len(req.prompts)} prompts"
                 )
-            instances = [[self._to_original(i, req) for i in insts] for insts in per_prompt]
-            presence = [insts[0].presence if insts else None for insts in per_prompt]
+            instances = [[self._to_original(i, req) for i in insts] for insts, _ in per_prompt]
+            presence = [None if p is None else float(p) for _, p in per_prompt]
             yield ImageResult(req.index, instances, presence)
 
     def _to_original(self, inst: Any, req: ImageRequest) -> Instance:

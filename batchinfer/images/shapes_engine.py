@@ -20,6 +20,7 @@ import numpy as np
 
 from batchinfer.engine.api import Instance
 from batchinfer.images.segmenter import SegmenterEngine
+from batchinfer.sam3.api import PairResult
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (255, 0, 0),
@@ -91,6 +92,11 @@ class ColorShapesSegmenter:
     def segment(
         self, images: Sequence[object], prompts: Sequence[Sequence[str]], score_threshold: float
     ) -> list[list[list[Instance]]]:
+        return [[p.instances for p in per] for per in self.segment_pairs(images, prompts, score_threshold)]
+
+    def segment_pairs(
+        self, images: Sequence[object], prompts: Sequence[Sequence[str]], score_threshold: float
+    ) -> list[list[PairResult]]:
         if self.delay:
             time.sleep(self.delay * len(images))
         return [
@@ -98,12 +104,12 @@ class ColorShapesSegmenter:
             for img, image_prompts in zip(images, prompts, strict=True)
         ]
 
-    def _one(self, image: np.ndarray, prompt: str, score_threshold: float) -> list[Instance]:
+    def _one(self, image: np.ndarray, prompt: str, score_threshold: float) -> PairResult:
         words = [w.rstrip("s") if w.rstrip("s") in SHAPE_FILL else w for w in prompt.lower().split()]
         colour = next((COLOURS[w] for w in words if w in COLOURS), None)
         shape = next((w for w in words if w in SHAPE_FILL), None)
         if colour is None:
-            return []
+            return PairResult(0.0, [])
         diff = np.abs(image[..., :3].astype(np.int16) - np.asarray(colour, dtype=np.int16))
         found = []
         for comp in components((diff <= self.tolerance).all(axis=-1)):
@@ -121,7 +127,8 @@ class ColorShapesSegmenter:
             found.append((round(score, 6), area, (float(x0), float(y0), float(x1), float(y1)), comp))
         found.sort(key=lambda f: (-f[0], -f[1], f[2][1], f[2][0]))
         presence = found[0][0] if found else 0.0
-        return [Instance(s, presence, box, comp) for s, _, box, comp in found if s > score_threshold]
+        kept = [Instance(s, presence, box, comp) for s, _, box, comp in found if s > score_threshold]
+        return PairResult(presence, kept)
 
 
 def ColorShapesEngine(  # noqa: N802 - a factory named like the engine it builds, for --engine
