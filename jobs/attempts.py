@@ -53,10 +53,6 @@ def shard_attempts(plan: Plan, shard: int) -> list[int]:
     return [a for a in list_attempts(plan) if a == 1 or str(shard) in _load(plan, a)["rows"]]
 
 
-def shard_done(plan: Plan, shard: int) -> bool:
-    return all(commit.marker_path(plan.job_dir, shard, a).exists() for a in shard_attempts(plan, shard))
-
-
 def incomplete_shards(plan: Plan) -> list[int]:
     """Shards with work left in any attempt; what a rerun, `slurm --retry` or a cron run still has to do.
 
