@@ -17,7 +17,7 @@ import click
 
 from batchinfer.errors import InputError
 
-DEFAULT_IMAGE_ENGINE = "batchinfer.sam3.engine:load_engine"
+DEFAULT_IMAGE_ENGINE = "batchinfer.images.sam3_engine:load_engine"
 
 
 @click.command("segment")

@@ -1,0 +1,41 @@
+"""The SAM 3 engine of image jobs: `batchinfer.sam3`'s model behind the job layer's ImageEngine.
+
+`batchinfer segment --model sam3.pt|model.safetensors` uses it by default; `--engine-arg` picks
+`batch_size` (images per model call; the model batches their (image, prompt) pairs itself), `device`
+(default cuda when there is one, else cpu) and `dtype` (default bfloat16 on cuda, float32 on cpu).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from batchinfer.errors import ConfigError
+from batchinfer.images.segmenter import SegmenterEngine
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_engine(model_path: str, batch_size: str = "8", device: str = "", dtype: str = "") -> SegmenterEngine:
+    """`FACTORY(model_path, **engine_args)` for `--engine batchinfer.images.sam3_engine:load_engine`."""
+    from batchinfer.sam3.model import Sam3Model
+
+    if not model_path:
+        raise ConfigError("the SAM 3 engine needs --model (a sam3.pt or safetensors checkpoint)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--engine-arg dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    model = Sam3Model.from_checkpoint(model_path, device=device, dtype=DTYPES[dtype])
+    facts = {
+        "engine": "sam3",
+        "model": str(model_path),
+        "quantization": dtype,
+        "device": device,
+        "image_size": str(model.config.image_size),
+        "mask_threshold": "0.5",  # sigmoid of the upsampled mask logits (Meta's Sam3Processor)
+    }
+    return SegmenterEngine(model, facts, batch_size=int(batch_size))
