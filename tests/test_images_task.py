@@ -13,7 +13,7 @@ from batchinfer.jobs import plan as plans
 from images_fixtures import SHAPES, blue_mask, encoded, image_folder, scene
 
 from batchinfer.engine.api import ImageResult
-from batchinfer.errors import PlanMismatchError
+from batchinfer.errors import InputError, PlanMismatchError
 from batchinfer.images import rle, sources
 from batchinfer.images.shapes_engine import ColorShapesEngine
 
@@ -160,3 +160,19 @@ def test_engine_errors_are_rows_and_contract_breaks_raise(tmp_path):
     with pytest.raises(RuntimeError, match="unknown or repeated result index 0"):
         _job(tmp_path / "b", [d], prompts=["red"], engine=_BadEngine(repeat=True))
     assert not list((tmp_path / "b").glob("shards/*/*.parquet"))
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"score_threshold": 0.5, "prompts": [], "top_k": 3}, r"unknown \['top_k'\]"),
+        ({"score_threshold": True, "prompts": []}, "must be a number in"),
+        ({"score_threshold": 0.5, "prompts": "red"}, "must be a list of strings"),
+    ],
+)
+def test_bad_job_parameters_are_refused_at_plan_time(tmp_path, params, message):
+    d = image_folder(tmp_path, n=1, corrupt=False)
+    _, images = sources.split_inputs([str(d)])
+    manifest = sources.write_manifest(tmp_path / "job", images, ["red"])
+    with pytest.raises(InputError, match=message):
+        plans.build_plan(tmp_path / "job", [str(manifest)], "", params, engine=SHAPES, task="image")
