@@ -110,37 +110,54 @@ def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, int]]:
     ]
     threshold = float(chunk.plan.sampling["score_threshold"])
     rows: list[list[dict[str, Any]] | None] = [None] * n
-    with ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="decode") as pool:
-        decoding: dict[int, Future[decode.Decoded]] = {}
-        encoding: list[tuple[int, Future[list[dict[str, Any]]]]] = []
-        ahead = 0
-        size = engine.input_size
-        batch = max(1, int(engine.batch_size))
-        for lo in range(0, n, batch):
-            hi = min(lo + batch, n)
-            while ahead < min(n, hi + 2 * batch + DECODE_WORKERS):  # keep the workers busy, memory bounded
-                decoding[ahead] = pool.submit(decode.load, sources[ahead], bases[ahead], size)
-                ahead += 1
-            requests = []
-            for i in range(lo, hi):
-                d = decoding.pop(i).result()
-                if d.error is None and not prompts[i]:
-                    d.error = "no prompts: the row's prompts are null or empty and the job has no --prompt"
-                if d.error is not None:
-                    rows[i] = [_error_row(d.error, d.height, d.width)]
-                else:
-                    requests.append(ImageRequest(i, d.image, d.height, d.width, prompts[i]))
-            expected = {r.index: r for r in requests}
-            for result in engine.segment(requests, threshold):
-                req = expected.pop(result.index, None)
-                if req is None:
-                    raise RuntimeError(f"engine returned an unknown or repeated result index {result.index}")
-                encoding.append((result.index, pool.submit(_result_rows, result, req, threshold)))
-            if expected:
-                raise RuntimeError(f"engine returned no result for {len(expected)} image(s) of the batch")
-        for i, fut in encoding:
-            rows[i] = fut.result()
+    pool = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="decode")
+    try:
+        _pipeline(engine, pool, sources, bases, prompts, threshold, rows)
+    finally:  # a dead engine: drop the decodes queued ahead instead of finishing them
+        pool.shutdown(wait=True, cancel_futures=True)
     return _table(chunk, rows)
+
+
+def _pipeline(
+    engine: ImageEngine,
+    pool: ThreadPoolExecutor,
+    sources: list[Any],
+    bases: list[str],
+    prompts: list[list[str]],
+    threshold: float,
+    rows: list[list[dict[str, Any]] | None],
+) -> None:
+    """Decode ahead on `pool`, segment batch by batch, encode each batch's masks on `pool`; fills `rows`."""
+    n = len(sources)
+    decoding: dict[int, Future[decode.Decoded]] = {}
+    encoding: list[tuple[int, Future[list[dict[str, Any]]]]] = []
+    ahead = 0
+    size = engine.input_size
+    batch = max(1, int(engine.batch_size))
+    for lo in range(0, n, batch):
+        hi = min(lo + batch, n)
+        while ahead < min(n, hi + 2 * batch + DECODE_WORKERS):  # keep the workers busy, memory bounded
+            decoding[ahead] = pool.submit(decode.load, sources[ahead], bases[ahead], size)
+            ahead += 1
+        requests = []
+        for i in range(lo, hi):
+            d = decoding.pop(i).result()
+            if d.error is None and not prompts[i]:
+                d.error = "no prompts: the row's prompts are null or empty and the job has no --prompt"
+            if d.error is not None:
+                rows[i] = [_error_row(d.error, d.height, d.width)]
+            else:
+                requests.append(ImageRequest(i, d.image, d.height, d.width, prompts[i]))
+        expected = {r.index: r for r in requests}
+        for result in engine.segment(requests, threshold) if requests else ():
+            req = expected.pop(result.index, None)
+            if req is None:
+                raise RuntimeError(f"engine returned an unknown or repeated result index {result.index}")
+            encoding.append((result.index, pool.submit(_result_rows, result, req, threshold)))
+        if expected:
+            raise RuntimeError(f"engine returned no result for {len(expected)} image(s) of the batch")
+    for i, fut in encoding:
+        rows[i] = fut.result()
 
 
 @functools.cache
