@@ -94,9 +94,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(doc).__name__}")
+    return doc
 
 
 def _token_content(value: Any) -> str | None:
@@ -106,10 +109,13 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _eos_list(value: Any) -> list[int] | None:
+def _eos_list(value: Any, where: Path) -> list[int] | None:
     if value is None:
         return None
-    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+    ids = [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        raise ConfigError(f"{where}: eos_token_id must be a token id or a list of them, found {value!r}")
+    return ids
 
 
 class Tokenizer:
@@ -169,12 +175,13 @@ class Tokenizer:
 
     @staticmethod
     def _find_eos(path: Path, hf: _HFTokenizer, special: dict[str, str]) -> list[int]:
-        gen = _eos_list(_read_json(path / "generation_config.json").get("eos_token_id"))
+        gen_file = path / "generation_config.json"
+        gen = _eos_list(_read_json(gen_file).get("eos_token_id"), gen_file)
         if gen is not None:
             return gen
         config = _read_json(path / "config.json")
         text = config.get("text_config") or {}
-        cfg = _eos_list(config.get("eos_token_id", text.get("eos_token_id")))
+        cfg = _eos_list(config.get("eos_token_id", text.get("eos_token_id")), path / "config.json")
         if cfg is not None:
             return cfg
         eos = special.get("eos_token")

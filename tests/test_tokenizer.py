@@ -222,6 +222,30 @@ def test_eos_ids_sources(tmp_path, tok):
     assert Tokenizer.from_pretrained(d).eos_token_ids == [13]
 
 
+@pytest.mark.parametrize(
+    ("file", "content", "match"),
+    [
+        ("generation_config.json", [], "generation_config.json: expected a JSON object, found list"),
+        ("tokenizer_config.json", "hi", "tokenizer_config.json: expected a JSON object, found str"),
+        (
+            "generation_config.json",
+            {"eos_token_id": "x"},
+            "eos_token_id must be a token id or a list of them",
+        ),
+        (
+            "config.json",
+            {"eos_token_id": [1, None]},
+            r"config.json: eos_token_id must be .*found \[1, None\]",
+        ),
+    ],
+)
+def test_malformed_side_files_are_config_errors(tmp_path, file, content, match):
+    d = write_bytelevel(tmp_path / "m")
+    (d / file).write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match=match):
+        Tokenizer.from_pretrained(d)
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(ConfigError, match="no tokenizer.json found"):
         Tokenizer.from_pretrained(tmp_path)
