@@ -92,6 +92,21 @@ def test_missing_field_is_named():
         model_config_from_hf(raw)
 
 
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda raw: raw.update(num_hidden_layers="four"), "invalid literal for int"),
+        (lambda raw: raw.update(num_attention_heads=0, head_dim=None), "by zero"),
+        (lambda raw: raw.update(rope_scaling=["default"]), "'list' object has no attribute 'get'"),
+    ],
+)
+def test_wrongly_typed_field_is_a_config_error_naming_the_file(edit, match):
+    raw = preset_config("tiny-qwen3-moe")
+    edit(raw)
+    with pytest.raises(ConfigError, match=f"my/config.json: malformed config: .*{match}"):
+        model_config_from_hf(raw, source="my/config.json")
+
+
 def test_real_shape_preset_specs_match_the_note():
     """Derived shapes of note section 1.1 (35B-A3B) and 1.2 (30B-A3B), without allocating weights."""
     s = weight_specs(model_config_from_hf(PRESETS["qwen3.6-35b-a3b"]))

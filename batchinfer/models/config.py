@@ -94,6 +94,13 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Parse a Hugging Face config dict; `source` names the file in error messages."""
+        try:
+            return cls._parse_hf(raw, source)
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # e.g. "x" for an int
+            raise ConfigError(f"{source}: malformed config: {e}") from None
+
+    @classmethod
+    def _parse_hf(cls, raw: dict[str, Any], source: str) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
