@@ -8,7 +8,8 @@ import click
 
 from batchinfer.errors import CheckpointError
 
-PRESETS = ("qwen3.6-35b-a3b", "qwen3-30b-a3b", "tiny-qwen3.5-moe", "tiny-qwen3-moe")
+PRESETS = ("qwen3.6-35b-a3b", "qwen3-30b-a3b", "tiny-qwen3.5-moe", "tiny-qwen3-moe", "sam3", "tiny-sam3")
+SAM3_PRESETS = ("sam3", "tiny-sam3")
 
 
 def check_out_dir(out: Path, force: bool) -> None:
@@ -64,8 +65,24 @@ def check_device(device: str) -> None:
     type=click.Choice(["cpu", "cuda"]),
     help="Where the weights are drawn and quantized; use cuda for the real-shape presets.",
 )
+@click.option(
+    "--format",
+    "fmt",
+    default="pt",
+    show_default=True,
+    type=click.Choice(["pt", "safetensors"]),
+    help="SAM 3 presets only: Meta's sam3.pt (torch.save of detector.* tensors) or sam3.safetensors.",
+)
+@click.option(
+    "--random",
+    "random_weights",
+    is_flag=True,
+    help="Seeded random weights: what this command always writes (accepted so commands can say so).",
+)
 @click.option("--force", is_flag=True, help="Overwrite a checkpoint already in --out.")
-def make_checkpoint_command(preset: str, out: Path, quant: str, seed: int, device: str, force: bool) -> None:
+def make_checkpoint_command(
+    preset: str, out: Path, quant: str, seed: int, device: str, fmt: str, random_weights: bool, force: bool
+) -> None:
     """Write a complete checkpoint with seeded random weights: config.json, generation_config.json,
     safetensors (5 GB shards + index when larger), tokenizer.json and tokenizer_config.json, and for
     quantized output hf_quant_config.json.
@@ -76,15 +93,28 @@ def make_checkpoint_command(preset: str, out: Path, quant: str, seed: int, devic
       qwen3-30b-a3b     Qwen3-30B-A3B shapes (qwen3_moe, 48 layers, 128 experts): ~61 GB in bf16
       tiny-qwen3.5-moe  hidden 64, 4 layers (3 DeltaNet + 1 attention), 8 experts top-2, vocab 512
       tiny-qwen3-moe    hidden 64, 4 layers, 8 experts top-2, vocab 512
+      sam3              SAM 3 image detector at real shapes (840.5M parameters, ~3.4 GB in fp32),
+                        in Meta's key layout (detector.*): OUT/sam3.pt or OUT/sam3.safetensors
+      tiny-sam3         the same architecture at tiny shapes, for CPU tests and demos
 
     Qwen3.5 bf16 checkpoints use the official layout (vision-language config with text_config,
     model.language_model. prefix, fused 3-D experts); quantized ones use per-expert tensors, as
     NVIDIA's do. The tokenizer is a small byte-level BPE trained on a built-in corpus, so token
     ids (BOS/EOS) differ from the real models'. Same seed and device give the same weights.
     """
-    from batchinfer.checkpoint.presets import write_preset
-
     check_out_dir(out, force)
     check_device(device)
+    if preset in SAM3_PRESETS:
+        if quant != "bf16":
+            raise CheckpointError(f"--quant {quant}: the SAM 3 presets are written unquantized (fp32)")
+        from batchinfer.sam3.checkpoint import write_random_sam3
+        from batchinfer.sam3.config import Sam3Config
+
+        config = Sam3Config.real() if preset == "sam3" else Sam3Config.tiny()
+        path = write_random_sam3(out / f"sam3.{fmt}", config, seed)
+        click.echo(f"wrote {path}: preset {preset}, fp32, seed {seed}; {describe(out)}")
+        return
+    from batchinfer.checkpoint.presets import write_preset
+
     write_preset(preset, out, quant=quant, seed=seed, device=device)
     click.echo(f"wrote {out}: preset {preset}, {quant}, seed {seed}; {describe(out)}")
