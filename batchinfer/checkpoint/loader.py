@@ -145,18 +145,16 @@ def _plan(
     def check(
         name: str, want_shape: tuple[int, ...] | None, want_dtypes: tuple[torch.dtype, ...], what: str
     ) -> None:
-        info = infos[name]
+        info, why = infos[name], f" ({what})" if what else ""
         shape_ok = info.shape == want_shape if want_shape is not None else info.shape in ((), (1,))
         if not shape_ok:
             shown = list(want_shape) if want_shape is not None else "[] or [1]"
-            problems.append(
-                f"{info.file}: tensor {name} has shape {list(info.shape)}, expected {shown} ({what})"
-            )
+            problems.append(f"{info.file}: tensor {name} has shape {list(info.shape)}, expected {shown}{why}")
         if info.dtype not in want_dtypes:
             want = "/".join(str(d).removeprefix("torch.") for d in want_dtypes)
             problems.append(
                 f"{info.file}: tensor {name} has dtype {str(info.dtype).removeprefix('torch.')}, "
-                f"expected {want} ({what})"
+                f"expected {want}{why}"
             )
 
     for (layer, part), name in sorted(fused.items()):
