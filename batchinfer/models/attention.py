@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from batchinfer.models.layers import Linear
 
 
+QUERY_BLOCK = 1024  # queries per score block in prefill
+
+
 def full_attention(
     h: torch.Tensor,
     w: Mapping[str, Linear],
@@ -56,14 +59,19 @@ def full_attention(
     keys = cache.k[:, :, :longest].repeat_interleave(H // Hkv, dim=1)  # [B, H, S, Dh]
     values = cache.v[:, :, :longest].repeat_interleave(H // Hkv, dim=1)
 
-    scores = (q @ keys.transpose(-1, -2)) * Dh**-0.5  # [B, H, T, S]
-    positions = start[:, None] + torch.arange(T, device=h.device)  # [B, T]
+    # Queries in blocks: fp32 scores of a whole long prompt at once ([B, H, T, S], 69 GB for 16 rows of
+    # 8k tokens) would run a GPU out of memory; a block's are [B, H, QUERY_BLOCK, S].
+    o = torch.empty_like(q)  # [B, H, T, Dh]
     j = torch.arange(longest, device=h.device)
-    visible = (j <= positions[..., None]) & (j < end[:, None, None])  # [B, T, S]
-    # finfo.min rather than -inf: padding queries may see nothing and must stay finite.
-    scores = scores.float().masked_fill(~visible[:, None], torch.finfo(torch.float32).min)
-    probs = scores.softmax(-1).to(q.dtype)
-    o = (probs @ values).transpose(1, 2).reshape(B, T, H * Dh)
+    for lo in range(0, T, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, T)
+        scores = (q[:, :, lo:hi] @ keys.transpose(-1, -2)) * Dh**-0.5  # [B, H, t, S]
+        positions = start[:, None] + torch.arange(lo, hi, device=h.device)  # [B, t]
+        visible = (j <= positions[..., None]) & (j < end[:, None, None])  # [B, t, S]
+        # finfo.min rather than -inf: padding queries may see nothing and must stay finite.
+        scores = scores.float().masked_fill(~visible[:, None], torch.finfo(torch.float32).min)
+        o[:, :, lo:hi] = scores.softmax(-1).to(q.dtype) @ values
+    o = o.transpose(1, 2).reshape(B, T, H * Dh)
     if gate is not None:
         o = o * gate.sigmoid()
     return linear(o, w["o_proj"])
