@@ -50,11 +50,20 @@ def sparse_moe(
 ) -> torch.Tensor:
     """MoE output for tokens `x [N, D]`: routed experts plus, when given, the gated shared expert."""
     weights, ids = route(x, w["gate"], config.num_experts_per_tok, config.norm_topk_prob)
+    A = ids.shape[1]
+    # (token, slot) pairs grouped by expert with one stable sort, in token order within each expert;
+    # the counts are the block's one host sync (was a nonzero and a sync per active expert).
+    order = ids.flatten().argsort(stable=True)  # [N * A]
+    counts = torch.bincount(ids.flatten(), minlength=len(experts)).tolist()
+    flat_weights = weights.flatten()
     out = torch.zeros_like(x)
-    for e in torch.unique(ids).tolist():
-        token, slot = (ids == e).nonzero(as_tuple=True)
-        y = expert_mlp(x[token], experts[e]) * weights[token, slot, None]
-        out.index_add_(0, token, y)
+    lo = 0
+    for e, n in enumerate(counts):
+        if n:
+            pairs = order[lo : lo + n]
+            token = pairs // A
+            out.index_add_(0, token, expert_mlp(x[token], experts[e]) * flat_weights[pairs, None])
+        lo += n
     if shared is not None:
         out = out + linear(x, w["shared_expert_gate"]).sigmoid() * expert_mlp(x, shared)
     return out
