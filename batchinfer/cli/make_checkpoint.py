@@ -68,10 +68,11 @@ def check_device(device: str) -> None:
 @click.option(
     "--format",
     "fmt",
-    default="pt",
+    default="safetensors",
     show_default=True,
-    type=click.Choice(["pt", "safetensors"]),
-    help="SAM 3 presets only: Meta's sam3.pt (torch.save of detector.* tensors) or sam3.safetensors.",
+    type=click.Choice(["safetensors", "pt"]),
+    help="SAM 3 presets only: sam3.safetensors (detector.* tensors plus the config, so any preset "
+    "loads on its own) or Meta's sam3.pt (torch.save of detector.* tensors; read as the real shapes).",
 )
 @click.option(
     "--random",
@@ -94,7 +95,7 @@ def make_checkpoint_command(
       tiny-qwen3.5-moe  hidden 64, 4 layers (3 DeltaNet + 1 attention), 8 experts top-2, vocab 512
       tiny-qwen3-moe    hidden 64, 4 layers, 8 experts top-2, vocab 512
       sam3              SAM 3 image detector at real shapes (840.5M parameters, ~3.4 GB in fp32),
-                        in Meta's key layout (detector.*): OUT/sam3.pt or OUT/sam3.safetensors
+                        in Meta's key layout (detector.*): OUT/sam3.safetensors or OUT/sam3.pt
       tiny-sam3         the same architecture at tiny shapes, for CPU tests and demos
 
     Qwen3.5 bf16 checkpoints use the official layout (vision-language config with text_config,
