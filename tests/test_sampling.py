@@ -3,6 +3,7 @@
 import bisect
 import math
 
+import pytest
 import torch
 
 from batchinfer.engine.api import SamplingParams
@@ -97,3 +98,9 @@ def test_greedy_rows_in_a_mixed_batch_match_their_own_argmax():
     assert tokens[0] == 1 and tokens[2] == 3  # ties go to the lowest id
     assert tokens[1] == sample_token(logits[1], params[1], 3) and tokens[1] in (0, 3)
     assert sample_rows(logits[:0], [], []) == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_non_finite_or_negative_temperature_is_refused(bad):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=bad)
