@@ -29,14 +29,17 @@ def axial_rope(head_dim: int, side: int, scale: float, device: torch.device) -> 
     """cos, sin float32 [side*side, head_dim // 2] of Meta's `compute_axial_cis` for a side x side grid.
 
     Token t = row * side + col; pair j < head_dim // 4 rotates by col * scale * f_j, pair
-    head_dim // 4 + j by row * scale * f_j, with f_j = theta ** (-4 j / head_dim)."""
-    freqs = 1.0 / (
-        ROPE_THETA ** (torch.arange(0, head_dim, 4, device=device)[: head_dim // 4].float() / head_dim)
-    )
-    t = torch.arange(side * side, device=device, dtype=torch.float32)
-    col, row = (t % side) * scale, torch.div(t, side, rounding_mode="floor") * scale
-    angles = torch.cat([torch.outer(col, freqs), torch.outer(row, freqs)], dim=-1)
-    return angles.cos(), angles.sin()
+    head_dim // 4 + j by row * scale * f_j, with f_j = theta ** (-4 j / head_dim). The tables are
+    cached across calls, so they are built as normal tensors even under inference mode: a cached
+    inference tensor could not take part in a later autograd graph."""
+    with torch.inference_mode(False):
+        freqs = 1.0 / (
+            ROPE_THETA ** (torch.arange(0, head_dim, 4, device=device)[: head_dim // 4].float() / head_dim)
+        )
+        t = torch.arange(side * side, device=device, dtype=torch.float32)
+        col, row = (t % side) * scale, torch.div(t, side, rounding_mode="floor") * scale
+        angles = torch.cat([torch.outer(col, freqs), torch.outer(row, freqs)], dim=-1)
+        return angles.cos(), angles.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
