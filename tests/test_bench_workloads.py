@@ -1,0 +1,190 @@
+"""`bench run`: workload token ids, the measured figures, the JSON result, and the lock inside the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from batchinfer.bench.accuracy_lock import AccuracyLockError
+from batchinfer.bench.e2e import ReferenceTokenEngine, measure
+from batchinfer.bench.workload_run import build_model, run_benchmark
+from batchinfer.bench.workloads import load_workloads, workload_requests
+from batchinfer.cli import cli
+from batchinfer.errors import ConfigError
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workloads.json"
+CPU = torch.device("cpu")
+GENERATION = (
+    "rng = numpy.random.default_rng(seed); in_lens = rng.integers(in_lo, in_hi + 1, size=n); "
+    "out_lens = rng.integers(out_lo, out_hi + 1, size=n); then for i in range(n): "
+    "prompt_i = rng.integers(token_lo, token_hi, size=in_lens[i])."
+)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="no ../shared/bench/workloads.json beside the checkout")
+def test_packaged_workloads_equal_the_shared_file():
+    assert load_workloads() == json.loads(SHARED.read_text())
+
+
+def _rederive(doc: dict, name: str) -> tuple[list[list[int]], list[int]]:
+    """The ids straight from the file's generation text, written independently of workloads.py."""
+    w = doc["llm"][name]
+    rng = np.random.default_rng(doc["seed"])
+    ins = rng.integers(w["in_lo"], w["in_hi"] + 1, size=w["n"])
+    outs = rng.integers(w["out_lo"], w["out_hi"] + 1, size=w["n"])
+    prompts = []
+    for i in range(w["n"]):
+        prompts.append([int(t) for t in rng.integers(doc["token_lo"], doc["token_hi"], size=ins[i])])
+    return prompts, [int(o) for o in outs]
+
+
+@pytest.mark.parametrize("name", ["single", "conc32", "offline"])
+def test_token_ids_follow_the_generation_text(name):
+    doc = load_workloads()
+    assert doc["generation"]["llm"].startswith(GENERATION)  # the recipe the re-derivation implements
+    req = workload_requests(name, vocab_size=1 << 20)
+    prompts, outs = _rederive(doc, name)
+    assert req.prompts == prompts and req.out_lens == outs and req.deviations == {}
+    assert all(doc["token_lo"] <= min(p) and max(p) < doc["token_hi"] for p in req.prompts)
+
+
+def test_token_ids_pinned():
+    """Pinned values: a numpy or file change that moves the ids fails here, not silently in a figure."""
+    single = workload_requests("single", vocab_size=1 << 20)
+    assert single.prompts[0][:5] == [144453, 33124, 129860, 23997, 60938] and single.out_lens == [512]
+    assert len(single.prompts[0]) == 512
+    offline = workload_requests("offline", vocab_size=1 << 20)
+    assert offline.out_lens[:5] == [991, 1022, 94, 573, 215]
+    assert [len(p) for p in offline.prompts[:5]] == [1977, 552, 1791, 435, 908]
+    assert offline.prompts[0][:5] == [114999, 24117, 2869, 132134, 30666]
+    assert offline.prompt_tokens == 2227330 and sum(offline.out_lens) == 1093387
+    # the prompts come after both length draws (numpy draws nothing for a one-value range, so this
+    # shows only where lengths vary)
+    rng = np.random.default_rng(20261129)
+    rng.integers(128, 2049, size=2048)
+    assert rng.integers(10, 150000, size=5).tolist() != offline.prompts[0][:5]
+
+
+def test_shrinking_is_recorded_and_keeps_prefixes():
+    full = workload_requests("offline", vocab_size=1 << 20)
+    small = workload_requests("offline", vocab_size=512, max_requests=3, max_in=16, max_out=8)
+    assert small.deviations == {"max_requests": 3, "max_in": 16, "max_out": 8, "token_ids_mod_vocab": 512}
+    assert small.capped and not full.capped
+    assert small.prompts == [[t % 512 for t in p[:16]] for p in full.prompts[:3]]
+    assert small.out_lens == [min(8, n) for n in full.out_lens[:3]]
+    # a cap at or above the workload's own size is no deviation
+    assert workload_requests("single", vocab_size=1 << 20, max_requests=5, max_out=512).deviations == {}
+    with pytest.raises(ConfigError, match="unknown workload 'bogus'"):
+        workload_requests("bogus", vocab_size=512)
+    with pytest.raises(ConfigError, match="--max-in must be >= 1, got 0"):
+        workload_requests("single", vocab_size=512, max_in=0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model(
+        model_path=None, preset="tiny-qwen3.5-moe", quant="mixed", device=CPU, dtype=torch.bfloat16
+    )
+
+
+def test_measure_figures_are_consistent(tiny):
+    req = workload_requests("offline", vocab_size=512, max_requests=5, max_in=24, max_out=6)
+    engine = ReferenceTokenEngine(tiny.model, max_batch_size=2)
+    outputs, f = measure(engine, req.prompts, req.out_lens, CPU)
+    assert [len(o) for o in outputs] == req.out_lens
+    assert f["requests"] == 5 and f["output_tokens"] == sum(req.out_lens)
+    assert f["prompt_tokens"] == req.prompt_tokens
+    assert f["out_tok_per_s"] == pytest.approx(f["output_tokens"] / f["wall_s"])
+    assert f["total_tok_per_s"] == pytest.approx((f["output_tokens"] + f["prompt_tokens"]) / f["wall_s"])
+    assert 0 < f["ttft_ms"]["p50"] <= f["ttft_ms"]["max"] <= f["wall_s"] * 1e3
+    # batches of 2, 2, 1 rows (sorted by prompt length); rows leave their batch as they finish
+    steps = f["batch_sizes"]["steps"]
+    assert f["batch_sizes"]["max"] == 2 and sum(k * v for k, v in steps.items()) == f["output_tokens"]
+    assert f["peak_memory_kind"] == "process peak RSS" and f["peak_memory_bytes"] > 10 * 2**20
+
+
+class _ShortEngine(ReferenceTokenEngine):
+    def generate_ids(self, prompts, params, on_step):
+        return [o[:-1] for o in super().generate_ids(prompts, params, on_step)]
+
+
+def test_an_engine_that_stops_early_is_an_error(tiny):
+    req = workload_requests("single", vocab_size=512, max_in=8, max_out=4)
+    with pytest.raises(RuntimeError, match="returned 3 tokens for request 0 \\(expected exactly 4"):
+        measure(_ShortEngine(tiny.model, 4), req.prompts, req.out_lens, CPU)
+
+
+class _WrongTokens(ReferenceTokenEngine):
+    """Right count, wrong ids: each token shifted by one."""
+
+    def generate_ids(self, prompts, params, on_step):
+        return [[(t + 1) % 512 for t in o] for o in super().generate_ids(prompts, params, on_step)]
+
+
+class _Repeater(ReferenceTokenEngine):
+    """The reference's first 4 tokens, then its 4th token over and over."""
+
+    def generate_ids(self, prompts, params, on_step):
+        return [o[:4] + [o[3]] * (len(o) - 4) for o in super().generate_ids(prompts, params, on_step)]
+
+
+@pytest.mark.parametrize("broken", [_WrongTokens, _Repeater])
+def test_broken_engines_fail_the_lock(tiny, broken):
+    req = workload_requests("conc32", vocab_size=512, max_requests=2, max_in=16, max_out=40)
+    with pytest.raises(AccuracyLockError, match="accuracy lock failed for engine reference: request 0"):
+        run_benchmark(broken(tiny.model, 4), tiny, req, CPU)
+
+
+def test_cli_single_on_the_tiny_preset(tmp_path):
+    out = tmp_path / "single.json"
+    args = ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3.5-moe", "--random"]
+    args += ["--quant", "nvfp4", "--dtype", "bf16", "--max-in", "48", "--max-out", "40", "--json", str(out)]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["workload"] == "single" and doc["seed"] == 20261129 and doc["capped"] is False
+    assert doc["deviations"] == {"max_in": 48, "max_out": 40, "token_ids_mod_vocab": 512}
+    assert doc["model"]["quantization"] == "nvfp4" and doc["model"]["model_type"] == "qwen3_5_moe"
+    assert doc["engine"] == {
+        "engine": "reference",
+        "device": "cpu",
+        "dtype": "bfloat16",
+        "max_batch_size": "16",
+    }
+    r = doc["results"]
+    assert r["requests"] == 1 and r["output_tokens"] == 40 and r["prompt_tokens"] == 48
+    assert r["batch_sizes"] == {"max": 1, "mean": 1.0, "steps": {"1": 40}}
+    for key in ("wall_s", "out_tok_per_s", "total_tok_per_s", "decode_tok_per_s", "tpot_ms"):
+        assert r[key] > 0, key
+    lock = doc["accuracy_lock"]
+    assert lock["passed"] and lock["sequences"] == [0] and lock["positions"] == 40 and lock["tol_std"] == 0.5
+    assert lock["top1_agreement"] > 0.9 and lock["max_gap_std"] <= 0.5
+    assert doc["peer"] is None and set(doc["environment"]) == {"commit", "date", "device", "torch"}
+    assert "workload single (deviations: max_in=48, max_out=40, token_ids_mod_vocab=512)" in res.output
+    assert "accuracy lock passed: 1 sequences, 40 tokens" in res.output
+
+
+def test_cli_refuses_ambiguous_models(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(cli, ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3-moe"])
+    assert res.exit_code == 2 and "--preset draws random weights; say so with --random" in res.output
+    res = runner.invoke(cli, ["bench", "run", "--workload", "single"])
+    assert res.exit_code == 2 and "give exactly one of --model PATH or --preset NAME --random" in res.output
+    args = [
+        "bench",
+        "run",
+        "--workload",
+        "single",
+        "--preset",
+        "tiny-qwen3-moe",
+        "--random",
+        "--lock-sample",
+        "4",
+    ]
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 2 and "--lock-sample must be >= 16, got 4" in res.output
