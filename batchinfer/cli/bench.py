@@ -54,3 +54,142 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
             with open(json_out, "w") as f:
                 json.dump({"environment": env, "rows": rows}, f, indent=1)
     click.echo(format_table(rows))
+
+
+@bench.command("run")
+@click.option(
+    "--workload", required=True, help="LLM workload of workloads.json: single, conc32, offline, extract."
+)
+@click.option(
+    "--model", "model_path", type=click.Path(exists=True, file_okay=False), help="Checkpoint folder."
+)
+@click.option("--preset", help="Real-shape (or tiny) preset of make-checkpoint, with --random.")
+@click.option(
+    "--random", "random_weights", is_flag=True, help="Random weights for --preset, drawn in memory."
+)
+@click.option(
+    "--quant",
+    type=click.Choice(["bf16", "nvfp4", "mixed"]),
+    default="bf16",
+    show_default=True,
+    help="Weight format of the --preset --random weights.",
+)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--dtype", type=click.Choice(["bf16", "fp32"]), help="Activations [default: fp32 on CPU, bf16 on GPU]."
+)
+@click.option(
+    "--max-batch-size", default=16, show_default=True, type=int, help="Reference engine batch rows."
+)
+@click.option("--max-requests", type=int, help="Run only the first N requests (recorded as 'capped').")
+@click.option("--max-in", type=int, help="Cut prompts to their first N tokens (recorded deviation).")
+@click.option("--max-out", type=int, help="Generate at most N tokens per request (recorded deviation).")
+@click.option(
+    "--lock-sample",
+    default=16,
+    show_default=True,
+    type=int,
+    help="Sequences the accuracy lock checks (>= 16).",
+)
+@click.option("--peer", type=click.Choice(["hf"]), help="Also run Hugging Face transformers on the workload.")
+@click.option(
+    "--peer-max-requests", default=32, show_default=True, type=int, help="Cap of the peer's requests."
+)
+@click.option(
+    "--workloads",
+    "workloads_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Workloads file [default: the copy shipped with batchinfer].",
+)
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
+)
+def run(
+    workload: str,
+    model_path: str | None,
+    preset: str | None,
+    random_weights: bool,
+    quant: str,
+    device: str,
+    dtype: str | None,
+    max_batch_size: int,
+    max_requests: int | None,
+    max_in: int | None,
+    max_out: int | None,
+    lock_sample: int,
+    peer: str | None,
+    peer_max_requests: int,
+    workloads_file: str | None,
+    json_out: str | None,
+) -> None:
+    """Run a fixed workload end to end (greedy, exact output lengths, all requests at once) and report
+    output/total tok/s, TTFT, decode tok/s, wall time, peak memory and batch sizes. Every run
+    teacher-forces a sample of its outputs through the fp32 reference (the accuracy lock); a run that
+    fails it exits non-zero and records no figure."""
+    if (model_path is None) == (preset is None):
+        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
+    if preset is not None and not random_weights:
+        raise click.UsageError("--preset draws random weights; say so with --random")
+    if model_path is not None and (random_weights or quant != "bf16"):
+        raise click.UsageError("--random and --quant apply to --preset; a --model checkpoint has its own")
+    if lock_sample < 16:
+        raise click.UsageError(f"--lock-sample must be >= 16, got {lock_sample}")
+    import torch
+
+    from batchinfer.bench.e2e import ReferenceTokenEngine
+    from batchinfer.bench.workload_run import build_model, run_benchmark
+    from batchinfer.bench.workloads import load_workloads, workload_requests
+    from batchinfer.engine.loader import DTYPES, resolve_device
+
+    doc = load_workloads(workloads_file)
+    dev = resolve_device(device)
+    torch_dtype = DTYPES[dtype] if dtype else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    bm = build_model(model_path=model_path, preset=preset, quant=quant, device=dev, dtype=torch_dtype)
+    shrink = dict(vocab_size=bm.config.vocab_size, max_in=max_in, max_out=max_out, workloads=doc)
+    requests = workload_requests(workload, max_requests=max_requests, **shrink)
+    peer_engine = peer_requests = None
+    if peer == "hf":
+        from batchinfer.bench.hf_peer import HfPeer
+
+        peer_requests = workload_requests(
+            workload, max_requests=min(peer_max_requests, max_requests or 1 << 62), **shrink
+        )
+        peer_engine = HfPeer(bm.config, bm.raw, bm.weights, dev, torch_dtype)
+    engine = ReferenceTokenEngine(bm.model, max_batch_size)
+    result = run_benchmark(
+        engine, bm, requests, dev, lock_sample=lock_sample, peer=peer_engine, peer_requests=peer_requests
+    )
+    for line in format_result(result):
+        click.echo(line)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def format_result(result: dict) -> list[str]:
+    """Human lines of a `bench run` result: one per engine, then the locks and any deviation."""
+    head = f"workload {result['workload']}"
+    if result["deviations"]:
+        dev = ", ".join(f"{k}={v}" for k, v in result["deviations"].items())
+        head += f" ({'capped, ' if result['capped'] else ''}deviations: {dev})"
+    lines = [head]
+    runs = [(result["engine"], result["results"], result["accuracy_lock"], result["capped"])]
+    if result["peer"]:
+        p = result["peer"]
+        runs.append((p["engine"], p["results"], p["accuracy_lock"], p["capped"]))
+    for eng, r, lock, capped in runs:
+        decode = r["decode_tok_per_s"]
+        lines.append(
+            f"{eng['engine']} on {eng['device']}{' (capped)' if capped else ''}: {r['requests']} requests, "
+            f"out {r['out_tok_per_s']:.1f} tok/s, total {r['total_tok_per_s']:.1f} tok/s, "
+            f"TTFT mean {r['ttft_ms']['mean']:.1f} ms (p90 {r['ttft_ms']['p90']:.1f}), "
+            f"decode {'n/a' if decode is None else f'{decode:.1f}'} tok/s, wall {r['wall_s']:.2f} s, "
+            f"peak mem {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}), "
+            f"batch max {r['batch_sizes']['max']} mean {r['batch_sizes']['mean']:.1f}"
+        )
+        lines.append(
+            f"  accuracy lock passed: {len(lock['sequences'])} sequences, {lock['positions']} tokens, "
+            f"top-1 {lock['top1_agreement']:.4f}, "
+            f"worst gap {lock['max_gap_std']:.3f} std (tol {lock['tol_std']})"
+        )
+    return lines

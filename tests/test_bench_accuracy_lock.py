@@ -1,0 +1,103 @@
+"""The accuracy lock: sampling, repeat stretches, tolerance and the degenerate-output rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchinfer.bench import accuracy_lock as lock_mod
+from batchinfer.bench.accuracy_lock import (
+    TOL_STD,
+    accuracy_lock,
+    check_positions,
+    repeat_stretches,
+    sample_indices,
+)
+
+
+def test_sample_indices_spread_and_cover_small_runs():
+    assert sample_indices(5) == [0, 1, 2, 3, 4]
+    picked = sample_indices(2048)
+    assert len(picked) == 16 and picked[0] == 0 and picked[-1] == 2047
+    assert (
+        sample_indices(100, 32) == sorted(set(sample_indices(100, 32))) and len(sample_indices(100, 32)) == 32
+    )
+
+
+def test_repeat_stretches():
+    assert repeat_stretches([7] * 31 + [1, 2, 3]) == []  # 31 copies: below MIN_REPEAT
+    assert repeat_stretches([1, 2] + [7] * 32 + [3]) == [(2, 34, 1)]
+    gram = [4, 5, 6, 7, 8, 9, 10, 11]
+    assert repeat_stretches([0] + gram * 4) == [(1, 33, 8)]
+    assert repeat_stretches(list(range(100))) == []
+    # one token repeated is also period 2..8: only the smallest period is listed
+    assert repeat_stretches([3] * 40) == [(0, 40, 1)]
+    assert repeat_stretches(list(range(9)) * 4) == []  # a 9-gram is beyond MAX_PERIOD
+
+
+def test_check_positions_gap_in_std_units():
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 1.0, 1.0, 1.0]])
+    gap, top1 = check_positions(logits, [3, 0])
+    std0 = float(logits[0].std())
+    assert gap.tolist() == pytest.approx([1.0 / std0, 0.0])
+    assert top1.tolist() == [False, True]
+
+
+def _fake_reference(monkeypatch, rows: list[torch.Tensor]):
+    """teacher_forcing_logits replaced by fixed logits for the generated positions (prompt of 1 token)."""
+
+    def fake(model, sequences):
+        assert len(sequences) == 1
+        return [rows.pop(0)]
+
+    monkeypatch.setattr(lock_mod, "teacher_forcing_logits", fake)
+
+
+def _logits(best: list[int], chosen: list[int], gap_std: float, vocab: int = 64) -> torch.Tensor:
+    """[G, V] logits whose argmax is `best[g]` and where `chosen[g]` sits `gap_std` std below it."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(len(best), vocab, generator=g)
+    for i, (b, c) in enumerate(zip(best, chosen, strict=True)):
+        z[i, b] = z[i].max() + 3.0
+        if c != b:
+            z[i, c] = z[i, b] - gap_std * z[i].std()  # close enough: std moves little with one entry
+    return z
+
+
+def test_near_ties_pass_wrong_tokens_fail(monkeypatch):
+    n = 10
+    best = list(range(1, n + 1))
+    chosen = best[:]
+    chosen[4] = 40  # one near-tie flipped at 0.1 std
+    _fake_reference(monkeypatch, [_logits(best, chosen, 0.1)])
+    ok = accuracy_lock(None, [[0]], [chosen])
+    assert ok.passed and ok.positions == n and ok.top1_agreement == pytest.approx(0.9)
+    assert 0.05 < ok.max_gap_std < TOL_STD and ok.failures == []
+
+    chosen[7] = 41  # and one token 2 std below the best
+    _fake_reference(monkeypatch, [_logits(best, chosen, 2.0)])
+    bad = accuracy_lock(None, [[0]], [chosen])
+    assert not bad.passed and len(bad.failures) == 2
+    assert bad.failures[0].startswith("request 0 output token 4: id 40 is ")
+
+
+def test_degenerate_loop_fails_unless_the_reference_agrees(monkeypatch):
+    out = [5, 6] + [9] * 38  # 38 copies of one token
+    # every 9 is within tolerance but the reference's argmax is another token at each of them
+    best = [5, 6] + [10 + i for i in range(38)]
+    _fake_reference(monkeypatch, [_logits(best, out, 0.1)])
+    res = accuracy_lock(None, [[0]], [out])
+    assert not res.passed and res.failures == [] and res.max_gap_std < TOL_STD
+    assert res.repeats == [
+        "request 0 output tokens 2..39: period 1, reference argmax agrees at 0% (degenerate)"
+    ]
+    # the same loop, produced by the reference itself: excused
+    _fake_reference(monkeypatch, [_logits(out, out, 0.0)])
+    res = accuracy_lock(None, [[0]], [out])
+    assert res.passed and res.repeats[0].endswith("agrees at 100% (excused)")
+
+
+def test_empty_output_fails(monkeypatch):
+    _fake_reference(monkeypatch, [])
+    res = accuracy_lock(None, [[0, 1]], [[]])
+    assert not res.passed and res.failures == ["request 0: no generated tokens"]
