@@ -188,3 +188,28 @@ def test_cli_refuses_ambiguous_models(tmp_path):
     ]
     res = runner.invoke(cli, args)
     assert res.exit_code == 2 and "--lock-sample must be >= 16, got 4" in res.output
+    res = runner.invoke(
+        cli, ["bench", "run", "--workload", "bogus", "--preset", "tiny-qwen3-moe", "--random"]
+    )
+    assert (
+        res.exit_code == 2
+        and "Invalid value for --workload: 'bogus'; the workloads file has single" in res.output
+    )
+
+
+def test_cli_model_folder(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("tiny-qwen3-moe", "nvfp4")
+    out = tmp_path / "r.json"
+    args = ["bench", "run", "--workload", "extract", "--model", str(folder), "--max-requests", "2"]
+    args += ["--max-in", "20", "--json", str(out)]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["model"] == {
+        "model": str(folder),
+        "model_type": "qwen3_moe",
+        "quantization": "nvfp4",
+        "vocab_size": "512",
+    }
+    assert doc["results"]["output_tokens"] == 16  # extract: 8 tokens per request, not shrunk
+    assert doc["deviations"] == {"max_requests": 2, "max_in": 20, "token_ids_mod_vocab": 512}

@@ -75,8 +75,8 @@ class HfPeer:
     ) -> None:
         tf = _import_transformers()
         cls = tf.Qwen3MoeForCausalLM if config.model_type == "qwen3_moe" else tf.Qwen3_5MoeForCausalLM
-        with torch.device(device):
-            self.model = cls(hf_config(raw)).to(dtype).eval()
+        with torch.device(device):  # built in `dtype` on `device`: no fp32 or CPU copy of a 35B model
+            self.model = cls._from_config(hf_config(raw), dtype=dtype).eval()
         with torch.no_grad():
             for name, param in self.model.state_dict().items():
                 param.copy_(_source(name, weights, dtype, config.num_experts))

@@ -142,6 +142,10 @@ def run(
     from batchinfer.engine.loader import DTYPES, resolve_device
 
     doc = load_workloads(workloads_file)
+    if workload not in doc["llm"]:
+        raise click.BadParameter(
+            f"{workload!r}; the workloads file has {', '.join(doc['llm'])}", param_hint="--workload"
+        )
     dev = resolve_device(device)
     torch_dtype = DTYPES[dtype] if dtype else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     bm = build_model(model_path=model_path, preset=preset, quant=quant, device=dev, dtype=torch_dtype)
