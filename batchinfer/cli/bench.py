@@ -1,4 +1,5 @@
-"""`batchinfer bench`: benchmarks. `bench kernels` times our Triton kernels on this GPU."""
+"""`batchinfer bench`: benchmarks. `bench kernels` times our Triton kernels on this GPU; `bench run` runs a
+fixed workload of workloads.json end to end, with the accuracy lock (docs/PERF.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import click
 
 @click.group()
 def bench() -> None:
-    """Benchmarks (kernel microbenchmarks; needs a CUDA GPU)."""
+    """Benchmarks: kernel microbenchmarks (CUDA GPU) and end-to-end workloads with the accuracy lock."""
 
 
 @bench.command("kernels")
