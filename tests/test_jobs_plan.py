@@ -211,7 +211,7 @@ def test_missing_input_and_bad_sampling(tmp_path):
     with pytest.raises(InputError, match=r"matches no Parquet files"):
         _plan(tmp_path, [str(tmp_path / "*.parquet")])
     write_inputs(tmp_path, files=1, rows=3)
-    with pytest.raises(InputError, match="sampling parameters: temperature must be >= 0"):
+    with pytest.raises(InputError, match="sampling parameters: temperature must be a finite number >= 0"):
         plans.build_plan(tmp_path / "o", [str(tmp_path / "in")], model_dir(tmp_path), {"temperature": -1})
 
 

@@ -55,7 +55,7 @@ def test_row_level_problems_become_error_results():
         2: "prompt and messages are both set; give exactly one per row",
         4: "messages is an empty list",
         5: "messages[0].content is null; expected a string",
-        6: "invalid sampling parameters: temperature must be >= 0, got -1.0",
+        6: "invalid sampling parameters: temperature must be a finite number >= 0, got -1.0",
     }
     assert all(e.finish_reason == "error" for e in errors)
     assert seeds[7] == 42 and seeds[1] == rq.derive_seed(9, 2)
