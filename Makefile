@@ -26,7 +26,7 @@ test-gpu: setup
 
 # The demo: 2,000 held-out task prompts through the shipped demo model (CPU or GPU), resumable,
 # then one DuckDB query joining the results with the expected answers.
-DEMO_SQL := SELECT i.task, count(*) AS rows, count_if(trim(r.text) = trim(i.answer)) AS correct, \
+DEMO_SQL := SELECT i.task, count(*) AS rows, count_if(trim(r.text) = trim(i.answer))::BIGINT AS correct, \
 	round(avg((trim(r.text) = trim(i.answer))::INT), 3) AS exact_match \
 	FROM latest r JOIN inputs i USING (id) GROUP BY i.task ORDER BY i.task
 
