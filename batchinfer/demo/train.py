@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer.checkpoint.layout import weight_specs
-from batchinfer.checkpoint.loader import model_config_from_hf
+from batchinfer.checkpoint.loader import load_checkpoint, model_config_from_hf
 from batchinfer.checkpoint.presets import random_weights
 from batchinfer.checkpoint.writer import save_checkpoint
 from batchinfer.demo.corpus import build_demo_tokenizer, chatml_prompt
-from batchinfer.demo.tasks import TASKS, Example, make_mixture, score
+from batchinfer.demo.tasks import TASKS, Example, make_examples, make_mixture, score
 from batchinfer.engine.api import SamplingParams
 from batchinfer.models.generate import generate
 from batchinfer.models.qwen_moe import QwenMoeModel
@@ -127,10 +127,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     raw = demo_config(VOCAB_SIZE, eos_id, pad_id)
     cfg = model_config_from_hf(raw, source="demo config")
 
-    params = {
-        n: w.detach().float().clone().requires_grad_(True)
-        for n, w in random_weights(cfg, seed=args.seed, device=args.device, dtype=torch.float32).items()
-    }
+    if args.init_from:  # continue training an earlier checkpoint (same config and tokenizer)
+        init_cfg, start = load_checkpoint(args.init_from, device=args.device, dtype=torch.float32)
+        if init_cfg != cfg:
+            raise ValueError(f"--init-from {args.init_from}: its config differs from the demo config")
+    else:
+        start = random_weights(cfg, seed=args.seed, device=args.device, dtype=torch.float32)
+    params = {n: w.detach().float().clone().requires_grad_(True) for n, w in start.items()}
     n_params = sum(p.numel() for p in params.values())
     decay = [p for n, p in params.items() if weight_specs(cfg)[n].linear or n == "embed_tokens"]
     no_decay = [p for n, p in params.items() if not (weight_specs(cfg)[n].linear or n == "embed_tokens")]
@@ -140,6 +143,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         betas=(0.9, 0.98),
     )
     train_rows = encode(tok, make_mixture(args.train_per_task, args.seed, "train"), eos_id)
+    for task, weight in (w.split("=") for w in args.task_weight):  # e.g. add=3: 3x the add examples
+        extra = make_examples(task, args.train_per_task * (int(weight) - 1), args.seed + 7, "train")
+        train_rows += encode(tok, extra, eos_id)
     heldout = make_mixture(args.eval_per_task, args.seed + 1, "heldout")
     log.info("%d parameters, %d training examples, device %s", n_params, len(train_rows), args.device)
 
@@ -176,6 +182,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     save_checkpoint(out, raw, weights)
     record = {
         "seed": args.seed,
+        "init_from": args.init_from,
+        "task_weight": args.task_weight,
         "steps": args.steps,
         "steps_done": steps_done,
         "batch": args.batch,
@@ -207,6 +215,8 @@ def main() -> None:
     p.add_argument("--eval-per-task", type=int, default=200)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--max-seconds", type=int, default=0, help="stop early (and still save) after this long")
+    p.add_argument("--init-from", help="continue from this checkpoint instead of random weights")
+    p.add_argument("--task-weight", action="append", default=[], help="TASK=N: N times that task's examples")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     record = train(p.parse_args())
     print(json.dumps(record["heldout_exact_match"]))
