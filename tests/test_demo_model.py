@@ -1,8 +1,7 @@
-"""The shipped demo model through `batchinfer eval` (the normal job path) on the held-out tasks.
+"""The accuracy gate of the shipped demo model, through `batchinfer eval` (the normal job path).
 
-The gate of issue 4 is bf16 mean >= 0.90 and NVFP4 within 1.5 points of bf16 on every task. The
-shipped model meets it on four tasks and misses it on `add` (see docs/ACCURACY.md), so `add` is left
-out here until the model is retrained; the four tasks below are held to the full gate.
+bf16: mean exact match >= 0.90 on the held-out set (200 prompts per task). NVFP4 (all-NVFP4 and
+NVIDIA's mixed layout, both made by `batchinfer quantize`): within 1.5 points of bf16 on every task.
 """
 
 import json
@@ -14,7 +13,7 @@ from click.testing import CliRunner
 from batchinfer.cli import cli
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-GATED_TASKS = ["convert", "count", "reverse", "sort"]
+GATED_TASKS = ["add", "convert", "count", "reverse", "sort"]
 
 
 def _evaluate(name: str, tmp: Path) -> dict:
@@ -46,11 +45,9 @@ def bf16(tmp_path_factory) -> dict:
     return _evaluate("demo-qwen3.5-moe", tmp_path_factory.mktemp("eval"))
 
 
-def test_bf16_gate_on_gated_tasks(bf16):
-    print("bf16:", {t: v["exact_match"] for t, v in bf16["tasks"].items()})
+def test_bf16_gate(bf16):
+    print("bf16:", {t: v["exact_match"] for t, v in bf16["tasks"].items()}, "mean", bf16["mean_exact_match"])
     assert bf16["mean_exact_match"] >= 0.90
-    for task, t in bf16["tasks"].items():
-        assert t["exact_match"] >= 0.95, task
 
 
 @pytest.mark.parametrize("name", ["demo-qwen3.5-moe-nvfp4", "demo-qwen3.5-moe-mixed"])
