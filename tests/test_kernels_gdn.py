@@ -10,15 +10,9 @@ from batchinfer.kernels.gdn import (
     gated_rmsnorm,
     gated_rmsnorm_ref,
 )
+from kernel_checks import DEV, rel_err
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float().cpu(), ref.float().cpu()
-    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
-    return float((out - ref).norm() / ref.norm())
 
 
 def rnd(*shape, scale=1.0, dtype=BF16):

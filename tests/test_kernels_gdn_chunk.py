@@ -5,16 +5,10 @@ import torch
 from batchinfer.kernels import gdn_chunk
 from batchinfer.kernels.gdn import gated_delta_rule, gated_delta_rule_ref
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
+from kernel_checks import DEV, rel_err
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter's tl.dot mis-reads bf16 operands (Triton 3.9 numpy backend), so CPU runs use fp16
 DT = torch.bfloat16 if DEV == "cuda" else torch.float16
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float().cpu(), ref.float().cpu()
-    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
-    return float((out - ref).norm() / ref.norm())
 
 
 def _inputs(T, Hk, Hv, D, slow_decay=False):

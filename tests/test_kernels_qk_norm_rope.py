@@ -3,15 +3,9 @@
 import pytest
 import torch
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
+from kernel_checks import DEV, rel_err
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = torch.bfloat16
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float().cpu(), ref.float().cpu()
-    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
-    return float((out - ref).norm() / ref.norm())
 
 
 def rnd(*shape, scale=1.0):

@@ -11,14 +11,7 @@ from batchinfer.kernels.small_ops import (
     silu_mul,
     silu_mul_ref,
 )
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float().cpu(), ref.float().cpu()
-    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
-    return float((out - ref).norm() / ref.norm())
+from kernel_checks import DEV, rel_err
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
