@@ -44,17 +44,44 @@ def _delta_rule_configs(decode: bool, state_bytes: int = 4) -> dict[str, int]:
 
 
 @triton.jit
+def _load(ptrs, ok, PAD: tl.constexpr):
+    """Unmasked load on the power-of-two path (the code real shapes compile to); masked, zero-filled when
+    a head dim is padded up to its power-of-two tile."""
+    if PAD:
+        x = tl.load(ptrs, mask=ok, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store(ptrs, x, ok, PAD: tl.constexpr):
+    """Store counterpart of `_load`: masked only when a head dim is padded."""
+    if PAD:
+        tl.store(ptrs, x, mask=ok)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
 def _delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr, cu_ptr, o_ptr,  #
     HV_PER_K, q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, DECODE: tl.constexpr,  #
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,  #
+    DECODE: tl.constexpr,  #
 ):
+    # Padded (e.g. Dk = Dv = 48 in a 64-wide tile): zeros in the padded k lanes keep the norms, S's extra
+    # rows and every dot exact; padded v lanes are computed on zeros and never stored.
+    PAD: tl.constexpr = (BLOCK_K != DK) | (DV % BLOCK_V != 0)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_k = tl.arange(0, DK)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    s_ok = k_ok[:, None] & v_ok[None, :]
     if DECODE:  # one token per row, continuing the slot's state
         start = seq
         end = seq + 1
@@ -66,19 +93,19 @@ def _delta_rule_kernel(
     s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     if slot < 0:  # padded row: zeros out, no state traffic
         for t in range(start, end):
-            tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_v, tl.zeros([BLOCK_V], tl.float32).to(
-                o_ptr.dtype.element_ty))
+            _store(o_ptr + t * stride_ot + h * stride_oh + offs_v,
+                   tl.zeros([BLOCK_V], tl.float32).to(o_ptr.dtype.element_ty), v_ok, PAD)
     else:
         if DECODE:
-            S = tl.load(s_ptrs).to(tl.float32)  # [DK, BLOCK_V]
+            S = _load(s_ptrs, s_ok, PAD).to(tl.float32)  # [BLOCK_K, BLOCK_V]
         else:
-            S = tl.zeros([DK, BLOCK_V], tl.float32)
+            S = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
         neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         for t in range(start, end):
-            q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k).to(tl.float32)
-            k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k).to(tl.float32)
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_v).to(tl.float32)
+            q = _load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, k_ok, PAD).to(tl.float32)
+            k = _load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, k_ok, PAD).to(tl.float32)
+            v = _load(v_ptr + t * stride_vt + h * stride_vh + offs_v, v_ok, PAD).to(tl.float32)
             a = tl.load(a_ptr + t * stride_at + h).to(tl.float32) + dt_bias
             beta = tl.sigmoid(tl.load(b_ptr + t * stride_bt + h).to(tl.float32))
             q = q * (q_scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
@@ -88,8 +115,8 @@ def _delta_rule_kernel(
             delta = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [BLOCK_V]
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(S * q[:, None], axis=0)
-            tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty))
-        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty))
+            _store(o_ptr + t * stride_ot + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), v_ok, PAD)
+        _store(s_ptrs, S.to(state_ptr.dtype.element_ty), s_ok, PAD)
 
 
 @triton.jit
@@ -97,14 +124,18 @@ def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,  #
     R, eps,  #
     stride_x, stride_z, stride_out,  #
-    D: tl.constexpr, BLOCK_R: tl.constexpr,  #
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,  #
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs = tl.arange(0, D)
-    m = (rows < R)[:, None]
+    offs = tl.arange(0, BLOCK_D)
+    d_ok = offs < D
+    if BLOCK_D == D:
+        m = (rows < R)[:, None]
+    else:  # padded width: zeros in the extra lanes leave the sum of squares exact
+        m = (rows < R)[:, None] & d_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + rows[:, None] * stride_z + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs).to(tl.float32)
+    w = _load(w_ptr + offs, d_ok, BLOCK_D != D).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))
     tl.store(out_ptr + rows[:, None] * stride_out + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
@@ -145,26 +176,25 @@ def gated_delta_rule(
         raise ValueError(f"slot_ids: expected shape ({N},) (one per {'row' if decode else 'sequence'}), "
                          f"got {tuple(slot_ids.shape)}")
     cfg = dict(config or _delta_rule_configs(decode, state.element_size()))
-    if Dv % cfg["BLOCK_V"]:
-        raise ValueError(f"v: head dim {Dv} is not a multiple of BLOCK_V={cfg['BLOCK_V']}")
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    _delta_rule_kernel[(N, Hv, Dv // cfg["BLOCK_V"])](
+    _delta_rule_kernel[(N, Hv, triton.cdiv(Dv, cfg["BLOCK_V"]))](
         q, k, v, a, b, A_log, dt_bias, state, slot_ids, slot_ids if decode else cu_seqlens, o,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        DK=Dk, DV=Dv, DECODE=decode, **cfg,
+        DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), DECODE=decode, **cfg,
     )
     return o
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`w * rmsnorm(x) * silu(z)` over the last dim (a v-head, 128) of x, z `[..., Dv]`; plain w, not 1+w."""
+    """`w * rmsnorm(x) * silu(z)` over the last dim (a v-head: 128, 48 in the demo model) of x, z `[..., Dv]`;
+    plain w, not 1+w."""
     Dv = x.shape[-1]
-    if z.shape != x.shape or weight.shape != (Dv,) or Dv & (Dv - 1):
-        raise ValueError(f"z/weight: expected z of shape {tuple(x.shape)} and weight ({Dv},) with a "
-                         f"power-of-two width, got {tuple(z.shape)} and {tuple(weight.shape)}")
+    if z.shape != x.shape or weight.shape != (Dv,):
+        raise ValueError(f"z/weight: expected z of shape {tuple(x.shape)} and weight ({Dv},), got "
+                         f"{tuple(z.shape)} and {tuple(weight.shape)}")
     x2, z2 = x.reshape(-1, Dv), z.reshape(-1, Dv)
     _check("x", x2, x2.shape)
     _check("z", z2, z2.shape)
@@ -173,7 +203,7 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     block_r = 4 if _interpreted() else 16
     _gated_rmsnorm_kernel[(triton.cdiv(R, block_r),)](
         x2, z2, weight, out, R, eps, x2.stride(0), z2.stride(0), out.stride(0),
-        D=Dv, BLOCK_R=block_r, num_warps=4,
+        D=Dv, BLOCK_D=triton.next_power_of_2(Dv), BLOCK_R=block_r, num_warps=4,
     )
     return out.view(x.shape)
 

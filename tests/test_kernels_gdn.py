@@ -19,6 +19,18 @@ def rnd(*shape, scale=1.0, dtype=BF16):
     return (torch.randn(*shape) * scale).to(dtype).to(DEV)
 
 
+def poison_empty(monkeypatch):
+    """Launchers allocate their outputs with torch.empty: make those start as NaN, so that an element the
+    kernel never writes fails `rel_err` instead of passing on whatever the allocator left there."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
 def _gdn_inputs(T, Hk, Hv, Dk, Dv):
     """q, k, v as views of one conv output [T, q | k | v], like the model produces them."""
     mixed = rnd(T, 2 * Hk * Dk + Hv * Dv)
@@ -32,8 +44,9 @@ def _gdn_inputs(T, Hk, Hv, Dk, Dv):
     return q, k, v, a, b, A_log, dt_bias
 
 
-@pytest.mark.parametrize("Hk,Hv,D", [(2, 4, 32), (1, 1, 16)])
-def test_gated_delta_rule_prefill(Hk, Hv, D):
+@pytest.mark.parametrize("Hk,Hv,D", [(2, 4, 32), (1, 1, 16), (2, 4, 48)])  # 48: the demo model's heads
+def test_gated_delta_rule_prefill(monkeypatch, Hk, Hv, D):
+    poison_empty(monkeypatch)
     cu = torch.tensor([0, 1, 13, 20], dtype=torch.int32, device=DEV)
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(20, Hk, Hv, D, D)
     state = torch.full((4, Hv, D, D), float("nan"), device=DEV)
@@ -45,11 +58,14 @@ def test_gated_delta_rule_prefill(Hk, Hv, D):
     assert torch.isnan(state[1]).all()
 
 
+@pytest.mark.parametrize("D", [32, 48])
 @pytest.mark.parametrize("state_dtype,tol", [(torch.float32, 1e-4), (BF16, 1e-2)])
-def test_gated_delta_rule_decode(state_dtype, tol):
-    Hk, Hv, D, B = 2, 4, 32, 3
+def test_gated_delta_rule_decode(monkeypatch, state_dtype, tol, D):
+    poison_empty(monkeypatch)
+    Hk, Hv, B = 2, 4, 3
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(B, Hk, Hv, D, D)
     state = rnd(5, Hv, D, D, scale=0.3, dtype=state_dtype)
+    before = state.clone()
     slots = torch.tensor([4, 1, 2], device=DEV)
     init = state[slots].clone()
     out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots)
@@ -58,21 +74,27 @@ def test_gated_delta_rule_decode(state_dtype, tol):
     )
     assert rel_err(out, ref) < 1e-2
     assert rel_err(state[slots], ref_final) < tol
+    others = torch.tensor([0, 3], device=DEV)
+    assert torch.equal(state[others], before[others])  # no write past a slot's [Hv, D, D] block
 
 
-def test_gated_delta_rule_padded_row_leaves_state():
-    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(2, 1, 2, 16, 16)
-    state = rnd(1, 2, 16, 16, dtype=torch.float32)
+@pytest.mark.parametrize("D", [16, 48])
+def test_gated_delta_rule_padded_row_leaves_state(monkeypatch, D):
+    poison_empty(monkeypatch)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(2, 1, 2, D, D)
+    state = rnd(1, 2, D, D, dtype=torch.float32)
     before = state.clone()
     out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, torch.tensor([0, -1], device=DEV))
-    assert torch.equal(out[1].float().cpu(), torch.zeros(2, 16)) and not torch.equal(state, before)
+    assert torch.equal(out[1].float().cpu(), torch.zeros(2, D)) and not torch.equal(state, before)
     assert not torch.isnan(out).any()
 
 
-def test_gated_rmsnorm():
-    x = rnd(5, 4, 64)
-    z = rnd(5, 8, 64)[:, 4:]  # z may be a view
-    w = rnd(64, scale=0.5)
+@pytest.mark.parametrize("D", [64, 48])
+def test_gated_rmsnorm(monkeypatch, D):
+    poison_empty(monkeypatch)
+    x = rnd(5, 4, D)
+    z = rnd(5, 8, D)[:, 4:]  # z may be a view
+    w = rnd(D, scale=0.5)
     assert rel_err(gated_rmsnorm(x, z.contiguous(), w, 1e-6), gated_rmsnorm_ref(x, z, w, 1e-6)) < 1e-2
     with pytest.raises(ValueError, match="z/weight"):
         gated_rmsnorm(x, z[:, :2], w, 1e-6)
@@ -115,10 +137,12 @@ def test_real_shapes_gpu():
     assert rel_err(gated_rmsnorm(out, z, nw, 1e-6), gated_rmsnorm_ref(out, z, nw, 1e-6)) < 1e-2
 
 
-def test_production_tiles(monkeypatch):
+@pytest.mark.parametrize("D", [64, 48])  # 48: padded to 64-wide k rows, 32-wide v tiles cross Dv
+def test_production_tiles(monkeypatch, D):
     """The H200 v-tiles (not the small interpreter ones): decode and the prefill recurrence."""
     monkeypatch.setattr(gdn, "_interpreted", lambda: False)
-    Hk, Hv, D = 1, 2, 64
+    poison_empty(monkeypatch)
+    Hk, Hv = 1, 2
     cu = torch.tensor([0, 9, 30], dtype=torch.int32, device=DEV)
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(30, Hk, Hv, D, D)
     state = torch.empty(2, Hv, D, D, device=DEV)
@@ -146,11 +170,13 @@ def test_production_tiles(monkeypatch):
     assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-4
 
 
-def test_production_tiles_bf16_state(monkeypatch):
+@pytest.mark.parametrize("D", [64, 48])
+def test_production_tiles_bf16_state(monkeypatch, D):
     monkeypatch.setattr(gdn, "_interpreted", lambda: False)
+    poison_empty(monkeypatch)
     assert gdn._delta_rule_configs(True, 2)["BLOCK_V"] == 64  # 128-byte state rows
-    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(2, 1, 2, 64, 64)
-    state = rnd(2, 2, 64, 64, scale=0.3)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(2, 1, 2, D, D)
+    state = rnd(2, 2, D, D, scale=0.3)
     init = state.clone()
     slots = torch.tensor([1, 0], device=DEV)
     out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots)
