@@ -16,6 +16,8 @@ at a time on tensor cores and is the prefill path for long prompts (measured 202
 recurrence takes 3.25 ms for 4 x 1024 tokens). The bf16 state costs accuracy: emulated on random
 inputs with Mamba-style decays, outputs drift 2e-3 -> 1.2e-2 relative to the fp32-state path over
 512 steps; fp32 (the checkpoint's `mamba_ssm_dtype`) is the default.
+Head dims: any; one that is not a power of two (the demo model's 48) is padded to the next one with
+zero-filled lanes, masks only in that case, so the power-of-two shapes compile to the code they always did.
 Numerics: all fp32; expected error vs `*_ref` ~1e-3 relative (bf16 inputs/outputs).
 """
 

@@ -13,9 +13,10 @@ Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, f
 depend on S for all chunks at once (Tm by forward substitution, W = Tm (beta exp(G) K) and
 U0 = Tm (beta V), kept in bf16 workspaces), so only `U = U0 - W S`, the output and the state update
 stay on the sequential path of `_chunk_state_kernel` (one program per (sequence, v-head, v-tile)
-walking its chunks in order, the state in registers). Numerics: Tm and the state in fp32; dot
-operands in the input dtype (bf16) with fp32 accumulation, as FLA does; expected error vs
-`gdn.gated_delta_rule_ref` ~3e-3 relative.
+walking its chunks in order, the state in registers). Head dims that are not powers of two (the demo
+model's 48) run in tiles padded to the next one (at least 16, for the dots), zero-filled by masks that
+only padded shapes compile. Numerics: Tm and the state in fp32; dot operands in the input dtype (bf16)
+with fp32 accumulation, as FLA does; expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative.
 """
 
 from __future__ import annotations
@@ -47,9 +48,20 @@ def _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias):
 
 
 @triton.jit
-def _l2_rows(ptr, t, ok, stride_t, offs_k, scale):
+def _tile_mask(row_ok, col_ok, PAD: tl.constexpr):
+    """Mask of a `[rows, head dim]` tile: the rows alone on the power-of-two path, the padded head-dim
+    lanes too when the head dim is padded up to its tile (their zeros leave every dot exact)."""
+    if PAD:
+        m = row_ok[:, None] & col_ok[None, :]
+    else:
+        m = row_ok[:, None]
+    return m
+
+
+@triton.jit
+def _l2_rows(ptr, t, ok, stride_t, offs_k, k_ok, scale, PAD: tl.constexpr):
     """Rows of a q or k tile, l2-normalised in fp32 (times scale), back in the input dtype."""
-    x = tl.load(ptr + t[:, None] * stride_t + offs_k[None, :], mask=ok[:, None], other=0.0)
+    x = tl.load(ptr + t[:, None] * stride_t + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
     xf = x.to(tl.float32)
     return (xf * (scale / tl.sqrt(tl.sum(xf * xf, axis=1) + 1e-6))[:, None]).to(x.dtype)
 
@@ -59,9 +71,10 @@ def _chunk_prep_kernel(
     k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr,  #
     HV_PER_K,  #
     stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh,  #
-    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,  #
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BT: tl.constexpr,  #
 ):
     """Per (sequence, chunk, v-head): Tm = (I + A)^-1, W = Tm (beta e^G K) `[BT, DK]`, U0 = Tm (beta V)."""
+    PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(2)
     start = tl.load(cu_ptr + seq).to(tl.int64)
@@ -69,11 +82,13 @@ def _chunk_prep_kernel(
     c0 = start + tl.program_id(1) * BT
     if c0 < end:
         rows = tl.arange(0, BT)
-        offs_k = tl.arange(0, DK)
-        offs_v = tl.arange(0, DV)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_v = tl.arange(0, BLOCK_DV)
+        k_ok = offs_k < DK
+        v_ok = offs_v < DV
         t = c0 + rows
         ok = t < end
-        kd = _l2_rows(k_ptr + (h // HV_PER_K) * stride_kh, t, ok, stride_kt, offs_k, 1.0)
+        kd = _l2_rows(k_ptr + (h // HV_PER_K) * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD)
         neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
         beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a,
                          tl.load(dt_bias_ptr + h).to(tl.float32))
@@ -88,12 +103,12 @@ def _chunk_prep_kernel(
         Td = Tm.to(kd.dtype)
         w = tl.dot(Td, (kd.to(tl.float32) * (beta * tl.exp(G))[:, None]).to(kd.dtype))
         tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + offs_k[None, :], w.to(kd.dtype),
-                 mask=ok[:, None])
+                 mask=_tile_mask(ok, k_ok, PAD))
         v_ptrs = v_ptr + t[:, None] * stride_vt + h * stride_vh + offs_v[None, :]
-        v = tl.load(v_ptrs, mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=_tile_mask(ok, v_ok, PAD), other=0.0)
         u = tl.dot(Td, (v.to(tl.float32) * beta[:, None]).to(kd.dtype))
         tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + offs_v[None, :], u.to(kd.dtype),
-                 mask=ok[:, None])
+                 mask=_tile_mask(ok, v_ok, PAD))
 
 
 @triton.jit
@@ -102,42 +117,48 @@ def _chunk_state_kernel(
     HV_PER_K, q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt, stride_wt, stride_wh,  #
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
-    DK: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr,  #
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr,  #
 ):
     """Per (sequence, v-head, v-tile), chunks in order: U = U0 - W S, the outputs, the state update."""
+    PAD: tl.constexpr = (BLOCK_K != DK) | (DV % BLOCK_V != 0)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // HV_PER_K
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_k = tl.arange(0, DK)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
     rows = tl.arange(0, BT)
     start = tl.load(cu_ptr + seq).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
-    S = tl.zeros([DK, BLOCK_V], tl.float32)
+    S = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
     for c0 in range(start, end, BT):
         t = c0 + rows
         ok = t < end
-        kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, 1.0)
-        qd = _l2_rows(q_ptr + hk * stride_qh, t, ok, stride_qt, offs_k, q_scale)
+        kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD)
+        qd = _l2_rows(q_ptr + hk * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD)
         beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias)
         g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), axis=0)  # padded rows add 0 to G
         row_off = t[:, None] * stride_wt + h * stride_wh
-        w = tl.load(w_ptr + row_off + offs_k[None, :], mask=ok[:, None], other=0.0)
-        u0 = tl.load(u_ptr + row_off + offs_v[None, :], mask=ok[:, None], other=0.0)
+        w = tl.load(w_ptr + row_off + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
+        u0 = tl.load(u_ptr + row_off + offs_v[None, :], mask=_tile_mask(ok, v_ok, PAD), other=0.0)
         Sd = S.to(kd.dtype)
         ud = (u0.to(tl.float32) - tl.dot(w, Sd)).to(kd.dtype)  # [BT, BV]
         qk = tl.dot(qd, tl.trans(kd)) * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
         o = tl.dot(qd, Sd) * tl.exp(G)[:, None] + tl.dot(qk.to(kd.dtype), ud)
         o_ptrs = o_ptr + t[:, None] * stride_ot + h * stride_oh + offs_v[None, :]
-        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=_tile_mask(ok, v_ok, PAD))
         k_tail = (kd.to(tl.float32) * tl.exp(g_last - G)[:, None]).to(kd.dtype)
         S = S * tl.exp(g_last) + tl.dot(tl.trans(k_tail), ud)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty))
+    if PAD:
+        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=k_ok[:, None] & v_ok[None, :])
+    else:
+        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty))
 
 
 def chunk_gated_delta_rule(
@@ -161,8 +182,7 @@ def chunk_gated_delta_rule(
                          f"Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}, {cu_seqlens.dtype}, {tuple(slot_ids.shape)}")
     cfg = dict(config or _chunk_configs())
     BT, BV = cfg["BT"], cfg["BLOCK_V"]
-    if Dv % BV:
-        raise ValueError(f"v: head dim {Dv} is not a multiple of BLOCK_V={BV}")
+    block_k = max(16, triton.next_power_of_2(Dk))  # tensor-core dots need K >= 16
     w = torch.empty((T, Hv, Dk), dtype=k.dtype, device=k.device)  # W, then U0 in the same layout
     u0 = torch.empty((T, Hv, Dv), dtype=k.dtype, device=k.device)
     _chunk_prep_kernel[(N, triton.cdiv(max(max_seqlen, 1), BT), Hv)](
@@ -170,15 +190,15 @@ def chunk_gated_delta_rule(
         Hv // Hk,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         w.stride(0), w.stride(1),
-        DK=Dk, DV=Dv, BT=BT, num_warps=cfg["prep_warps"],
+        DK=Dk, DV=Dv, BLOCK_K=block_k, BLOCK_DV=block_k, BT=BT, num_warps=cfg["prep_warps"],
     )
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    _chunk_state_kernel[(N, Hv, Dv // BV)](
+    _chunk_state_kernel[(N, Hv, triton.cdiv(Dv, BV))](
         q, k, a, b, A_log, dt_bias, w, u0, state, slot_ids, cu_seqlens, o,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         w.stride(0), w.stride(1),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        DK=Dk, BT=BT, BLOCK_V=BV, num_warps=cfg["num_warps"],
+        DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, num_warps=cfg["num_warps"],
     )
     return o

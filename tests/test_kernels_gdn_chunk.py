@@ -6,6 +6,7 @@ from batchinfer.kernels import gdn_chunk
 from batchinfer.kernels.gdn import gated_delta_rule, gated_delta_rule_ref
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 from kernel_checks import DEV, rel_err
+from test_kernels_gdn import poison_empty
 
 # the interpreter's tl.dot mis-reads bf16 operands (Triton 3.9 numpy backend), so CPU runs use fp16
 DT = torch.bfloat16 if DEV == "cuda" else torch.float16
@@ -22,9 +23,13 @@ def _inputs(T, Hk, Hv, D, slow_decay=False):
     return q, k, v, ab[:, :Hv], ab[:, Hv:], A_log, dt_bias
 
 
-@pytest.mark.parametrize("lens,Hk,Hv,D,slow", [([5, 40, 16], 2, 4, 32, False), ([37], 1, 2, 16, True)])
-def test_chunk_matches_token_loop(lens, Hk, Hv, D, slow):
+@pytest.mark.parametrize(
+    "lens,Hk,Hv,D,slow",
+    [([5, 40, 16], 2, 4, 32, False), ([37], 1, 2, 16, True), ([5, 40, 16], 2, 4, 48, True)],  # 48: demo heads
+)
+def test_chunk_matches_token_loop(monkeypatch, lens, Hk, Hv, D, slow):
     """Chunk boundaries (16 here), ragged tails and a single-token sequence; long memory when slow."""
+    poison_empty(monkeypatch)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     q, k, v, a, b, A_log, dt_bias = _inputs(int(cu[-1]), Hk, Hv, D, slow)
     state = torch.full((len(lens) + 1, Hv, D, D), float("nan"), device=DEV)
@@ -58,14 +63,16 @@ def test_real_shapes_gpu():
     assert rel_err(out, ref) < 1e-2 and rel_err(state, ref_final) < 1e-2
 
 
-def test_production_chunk(monkeypatch):
+@pytest.mark.parametrize("D,block_v", [(32, None), (48, None), (48, 32)])  # 48 in 64-wide k; v tiles cross 48
+def test_production_chunk(monkeypatch, D, block_v):
     """The H200 chunk (64 tokens) and v-tile on sequences that end mid-chunk."""
     monkeypatch.setattr(gdn_chunk, "_interpreted", lambda: False)
-    cfg = gdn_chunk._chunk_configs()
+    poison_empty(monkeypatch)
+    cfg = gdn_chunk._chunk_configs() | ({"BLOCK_V": block_v} if block_v else {})
     assert cfg["BT"] == 64
     cu = torch.tensor([0, 150, 213], dtype=torch.int32, device=DEV)
-    q, k, v, a, b, A_log, dt_bias = _inputs(213, 1, 2, 32, slow_decay=True)
-    state = torch.empty(2, 2, 32, 32, device=DEV)
+    q, k, v, a, b, A_log, dt_bias = _inputs(213, 1, 2, D, slow_decay=True)
+    state = torch.empty(2, 2, D, D, device=DEV)
     slots = torch.arange(2, device=DEV)
     out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, 150, config=cfg)
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
