@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from batchinfer.engine.api import SamplingParams
+from batchinfer.engine.fast import FastGenerator
 from batchinfer.models.generate import generate
 from batchinfer.models.qwen_moe import QwenMoeModel
 
@@ -80,6 +81,36 @@ class ReferenceTokenEngine:
             for r, o in zip(rows, outputs, strict=True):
                 out[r] = o.token_ids
         return out
+
+
+class FastTokenEngine:
+    """The GPU engine (`engine.fast.FastGenerator`) behind `TokenEngine`; frees its state pools after each
+    run so a peer measured next in the same process gets the memory."""
+
+    def __init__(self, generator: FastGenerator) -> None:
+        self.generator = generator
+
+    def describe(self) -> dict[str, str]:
+        g = self.generator
+        return {
+            "engine": "fast",
+            "device": str(g.device),
+            "dtype": "bfloat16",
+            "max_slots": str(g.max_slots),
+            "cuda_graphs": str(g.cuda_graphs),
+            **{k: str(v) for k, v in g.stats.items()},
+        }
+
+    def generate_ids(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], on_step: StepCallback
+    ) -> list[list[int]]:
+        def step(tokens: dict[int, int]) -> None:
+            on_step(tokens)
+
+        try:
+            return [o.token_ids for o in self.generator.generate(prompts, params, (), step)]
+        finally:
+            self.generator.release()
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,10 +109,13 @@ def run_benchmark(
     device: torch.device,
     *,
     lock_sample: int = MIN_SAMPLE,
-    peer: TokenEngine | None = None,
+    peer: Callable[[], TokenEngine] | None = None,
     peer_requests: WorkloadRequests | None = None,
 ) -> dict[str, Any]:
     """The result document of one benchmark run (engine, then the peer on `peer_requests`).
+
+    `peer` builds the peer engine; it is called only after the engine's run, so the two never hold GPU
+    memory at the same time.
 
     Raises `AccuracyLockError` when the engine's (or the peer's) output fails the lock.
     """
@@ -132,6 +136,8 @@ def run_benchmark(
         "peer": None,
     }
     if peer is not None and peer_requests is not None:
+        del engine
+        peer = peer()
         peer_figures, peer_lock = _run_one(peer, peer_requests, bench_model.reference, device, lock_sample)
         if not peer_lock.passed:
             raise _lock_error(f"peer {peer.describe().get('engine')}", peer_lock)

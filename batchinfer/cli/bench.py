@@ -80,7 +80,16 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     "--dtype", type=click.Choice(["bf16", "fp32"]), help="Activations [default: fp32 on CPU, bf16 on GPU]."
 )
 @click.option(
+    "--engine",
+    "engine_name",
+    type=click.Choice(["fast", "reference"]),
+    help="fast: our kernels, slots and CUDA graphs (bf16) [default on CUDA]; reference: plain PyTorch.",
+)
+@click.option(
     "--max-batch-size", default=16, show_default=True, type=int, help="Reference engine batch rows."
+)
+@click.option(
+    "--max-slots", default=512, show_default=True, type=int, help="Fast engine: most sequences at once."
 )
 @click.option("--max-requests", type=int, help="Run only the first N requests (recorded as 'capped').")
 @click.option("--max-in", type=int, help="Cut prompts to their first N tokens (recorded deviation).")
@@ -113,7 +122,9 @@ def run(
     quant: str,
     device: str,
     dtype: str | None,
+    engine_name: str | None,
     max_batch_size: int,
+    max_slots: int,
     max_requests: int | None,
     max_in: int | None,
     max_out: int | None,
@@ -137,7 +148,7 @@ def run(
         raise click.UsageError(f"--lock-sample must be >= 16, got {lock_sample}")
     import torch
 
-    from batchinfer.bench.e2e import ReferenceTokenEngine
+    from batchinfer.bench.e2e import FastTokenEngine, ReferenceTokenEngine
     from batchinfer.bench.workload_run import build_model, run_benchmark
     from batchinfer.bench.workloads import load_workloads, workload_requests
     from batchinfer.engine.loader import DTYPES, resolve_device
@@ -148,7 +159,12 @@ def run(
             f"{workload!r}; the workloads file has {', '.join(doc['llm'])}", param_hint="--workload"
         )
     dev = resolve_device(device)
+    engine_name = engine_name or ("fast" if dev.type == "cuda" else "reference")
+    if engine_name == "fast" and dtype == "fp32":
+        raise click.UsageError("the fast engine computes in bf16; --dtype fp32 needs --engine reference")
     torch_dtype = DTYPES[dtype] if dtype else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    if engine_name == "fast":
+        torch_dtype = torch.bfloat16
     bm = build_model(model_path=model_path, preset=preset, quant=quant, device=dev, dtype=torch_dtype)
     shrink = dict(vocab_size=bm.config.vocab_size, max_in=max_in, max_out=max_out, workloads=doc)
     requests = workload_requests(workload, max_requests=max_requests, **shrink)
@@ -159,8 +175,17 @@ def run(
         peer_requests = workload_requests(
             workload, max_requests=min(peer_max_requests, max_requests or 1 << 62), **shrink
         )
-        peer_engine = HfPeer(bm.config, bm.raw, bm.weights, dev, torch_dtype)
-    engine = ReferenceTokenEngine(bm.model, max_batch_size)
+
+        def peer_engine() -> HfPeer:
+            return HfPeer(bm.config, bm.raw, bm.weights, dev, torch_dtype)
+
+    if engine_name == "fast":
+        from batchinfer.engine.fast import FastGenerator
+        from batchinfer.engine.kernel_model import KernelModel
+
+        engine = FastTokenEngine(FastGenerator(KernelModel(bm.config, bm.weights), max_slots=max_slots))
+    else:
+        engine = ReferenceTokenEngine(bm.model, max_batch_size)
     result = run_benchmark(
         engine, bm, requests, dev, lock_sample=lock_sample, peer=peer_engine, peer_requests=peer_requests
     )
@@ -198,3 +223,112 @@ def format_result(result: dict) -> list[str]:
             f"worst gap {lock['max_gap_std']:.3f} std (tol {lock['tol_std']})"
         )
     return lines
+
+
+@bench.command("images")
+@click.option("--workload", required=True, help="Image workload of workloads.json: images-1p, images-4p.")
+@click.option(
+    "--model", "model_path", type=click.Path(exists=True, dir_okay=False), help="sam3.pt or .safetensors."
+)
+@click.option("--preset", type=click.Choice(["sam3", "tiny-sam3"]), help="Random weights at these shapes.")
+@click.option("--random", "random_weights", is_flag=True, help="Draw --preset's weights in memory.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the --random weights.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--dtype", type=click.Choice(["bf16", "fp32"]), help="Our fast path [default: bf16 on GPU, fp32 on CPU]."
+)
+@click.option("--batch-size", default=16, show_default=True, type=int, help="Images per model call.")
+@click.option(
+    "--score-threshold", default=0.5, show_default=True, type=float, help="Instances kept (job default)."
+)
+@click.option("--max-images", type=int, help="Run only the first N images (recorded deviation).")
+@click.option(
+    "--lock-images", default=4, show_default=True, type=int, help="Images the accuracy lock and parity check."
+)
+@click.option("--peer", type=click.Choice(["meta"]), help="Also run Meta's SAM 3 on the same images.")
+@click.option(
+    "--peer-path",
+    default=".peer",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder holding a copy of Meta's sam3/ package (never part of batchinfer).",
+)
+@click.option("--peer-images", type=int, help="Cap of the images the peer runs [default: all].")
+@click.option(
+    "--workloads",
+    "workloads_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Workloads file [default: the copy shipped with batchinfer].",
+)
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
+)
+def images(
+    workload: str,
+    model_path: str | None,
+    preset: str | None,
+    random_weights: bool,
+    seed: int,
+    device: str,
+    dtype: str | None,
+    batch_size: int,
+    score_threshold: float,
+    max_images: int | None,
+    lock_images: int,
+    peer: str | None,
+    peer_path: str,
+    peer_images: int | None,
+    workloads_file: str | None,
+    json_out: str | None,
+) -> None:
+    """Run a SAM 3 image workload end to end (PNG bytes decoded, model, masks to COCO RLE, Parquet) and
+    report images/s, pairs/s, wall time and peak memory, after checking the fast path against the fp32
+    reference on a sample of the images (the accuracy lock: a failing lock exits non-zero and records
+    no figure). With --peer meta, Meta's implementation runs the same images with the same weights."""
+    if (model_path is None) == (preset is None):
+        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
+    if preset is not None and not random_weights:
+        raise click.UsageError("--preset draws random weights; say so with --random")
+    if batch_size < 1:
+        raise click.UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    if not 0 <= score_threshold < 1:
+        raise click.UsageError(f"--score-threshold must be in [0, 1), got {score_threshold}")
+    import torch
+
+    from batchinfer.bench.images import build_models, format_result, image_workload, run_images_benchmark
+    from batchinfer.bench.workloads import load_workloads
+    from batchinfer.engine.loader import resolve_device
+    from batchinfer.sam3.checkpoint import load_sam3_state_dict, random_sam3_state_dict
+    from batchinfer.sam3.config import Sam3Config
+
+    work = image_workload(workload, max_images=max_images, workloads=load_workloads(workloads_file))
+    dev = resolve_device(device)
+    run_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        dtype or ("fp32" if dev.type == "cpu" else "bf16")
+    ]
+    if model_path is not None:
+        state, config = load_sam3_state_dict(model_path)
+        info = {"model": model_path}
+    else:
+        config = Sam3Config.real() if preset == "sam3" else Sam3Config.tiny()
+        state = {k.removeprefix("detector."): v for k, v in random_sam3_state_dict(config, seed).items()}
+        info = {"model": f"preset {preset} (random weights, seed {seed})"}
+    model, reference = build_models(state, config, dev, run_dtype)
+    meta = None
+    if peer == "meta":
+        from batchinfer.bench.meta_sam3_peer import MetaSam3Peer
+
+        def meta() -> MetaSam3Peer:
+            return MetaSam3Peer(peer_path, state, dev)
+
+    result = run_images_benchmark(
+        model, reference, work, dev, threshold=score_threshold, batch_size=batch_size,
+        lock_images=lock_images, peer=meta, peer_images=peer_images, info=info,
+    )  # fmt: skip
+    for line in format_result(result):
+        click.echo(line)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    if result.get("peer_error"):
+        raise click.ClickException(f"the Meta peer failed (our figures above stand): {result['peer_error']}")

@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 from batchinfer.checkpoint.loader import load_checkpoint, model_config_from_hf, read_raw_config
+from batchinfer.engine.fast import MAX_SLOTS, FastGenerator
+from batchinfer.engine.gpu import FastEngine
+from batchinfer.engine.kernel_model import KernelModel
 from batchinfer.engine.reference import DEFAULT_MAX_BATCH_SIZE, ReferenceEngine, context_limit
 from batchinfer.errors import ConfigError
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
@@ -63,19 +66,34 @@ def load_engine(
     dtype: str | torch.dtype | None = None,
     max_model_len: int | str | None = None,
     max_batch_size: int | str = DEFAULT_MAX_BATCH_SIZE,
+    engine: str = "auto",
+    max_slots: int | str = MAX_SLOTS,
 ) -> ReferenceEngine:
-    """Load a checkpoint folder onto `device` and wrap it in the reference engine.
+    """Load a checkpoint folder onto `device` and wrap it in an engine.
 
-    `dtype`: activation and dense-weight dtype; default float32 on CPU (bit-stable yardstick) and
-    bfloat16 on GPU. `max_model_len` lowers the context limit below `max_position_embeddings`.
+    `engine`: `fast` (our kernels, slots and CUDA graphs; bf16; the default on a CUDA device),
+    `reference` (plain PyTorch; the default on the CPU) or `auto`.
+    `dtype` (reference engine): activation and dense-weight dtype; default float32 on CPU (bit-stable
+    yardstick) and bfloat16 on GPU. `max_model_len` lowers the context limit below
+    `max_position_embeddings`. `max_batch_size` is the reference engine's batch, `max_slots` the fast
+    engine's cap on concurrent sequences (it also fits them to free memory).
     The job layer passes its `--engine-arg KEY=VALUE` strings straight in, so numbers may be strings.
     """
     path = Path(model_path)
     max_model_len = None if max_model_len in (None, "") else _as_int("max_model_len", max_model_len)
     max_batch_size = _as_int("max_batch_size", max_batch_size)
-    if max_batch_size < 1:
-        raise ConfigError(f"engine argument max_batch_size={max_batch_size} must be >= 1")
+    max_slots = _as_int("max_slots", max_slots)
+    for name, value in (("max_batch_size", max_batch_size), ("max_slots", max_slots)):
+        if value < 1:
+            raise ConfigError(f"engine argument {name}={value} must be >= 1")
     dev = resolve_device(device)
+    if engine not in ("auto", "fast", "reference"):
+        raise ConfigError(f"engine argument engine={engine!r}: expected auto, fast or reference")
+    fast = engine == "fast" or (engine == "auto" and dev.type == "cuda")
+    if fast and dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
+        raise ConfigError(f"the fast engine computes in bfloat16; dtype={dtype!r} needs engine=reference")
+    if fast:
+        dtype = torch.bfloat16
     if dtype is None:
         torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     elif isinstance(dtype, torch.dtype):
@@ -91,6 +109,19 @@ def load_engine(
     tokenizer = Tokenizer.from_pretrained(path)
     _, weights = load_checkpoint(path, config=config, device=dev, dtype=torch_dtype)
     quantization = describe_quantization(weights, raw)
+    if fast:
+        QwenMoeModel(config, weights, dtype=torch_dtype)  # the same checks of names and shapes
+        generator = FastGenerator(KernelModel(config, weights), max_slots=max_slots)
+        del weights
+        log.info(
+            "loaded %s (%s, %s) on %s for the fast engine in %.1f s",
+            path,
+            config.model_type,
+            quantization,
+            dev,
+            time.perf_counter() - started,
+        )
+        return FastEngine(generator, tokenizer, str(path), quantization, max_model_len)
     model = QwenMoeModel(config, weights, dtype=torch_dtype)
     log.info(
         "loaded %s (%s, %s) on %s as %s in %.1f s",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from batchinfer.engine.api import SamplingParams, TextRequest, TextResult
 from batchinfer.errors import ConfigError, InputError
 from batchinfer.models.config import ModelConfig
-from batchinfer.models.generate import generate
+from batchinfer.models.generate import GenerationOutput, StepCallback, generate
 from batchinfer.models.qwen_moe import QwenMoeModel
 from batchinfer.tokenizer import Tokenizer
 
@@ -132,6 +132,12 @@ class ReferenceEngine:
             )
         return _Row(req.index, ids, req.sampling)
 
+    def _generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], on_step: StepCallback
+    ) -> list[GenerationOutput]:
+        """Token generation for one batch (the fast engine overrides this with its own loop)."""
+        return generate(self.model, prompts, params, self.stop_token_ids, on_step)
+
     def _run_batch(self, rows: list[_Row], on_tokens: Callable[[int], None] | None) -> list[TextResult]:
         started = time.perf_counter()
         # generate() names rows by their position in this batch.
@@ -149,9 +155,7 @@ class ReferenceEngine:
                     stopped.append(pos)
             return stopped
 
-        outputs = generate(
-            self.model, [r.prompt_ids for r in rows], [r.sampling for r in rows], self.stop_token_ids, on_step
-        )
+        outputs = self._generate([r.prompt_ids for r in rows], [r.sampling for r in rows], on_step)
         results = []
         for row, out, detok in zip(rows, outputs, detoks, strict=True):
             detok.finish()

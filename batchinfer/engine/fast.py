@@ -1,0 +1,303 @@
+"""The GPU engine's generation loop: static slots, continuous refill, CUDA-graphed decode steps.
+
+All requests are known up front (offline). Each running sequence owns a slot of the state pools
+(`KernelModel.new_state`), sized from free GPU memory and the longest prompt + max_tokens. Requests
+wait longest-output-first; whenever enough slots are free, waiting prompts are prefilled together
+(packed, up to `prefill_tokens` tokens a pass) and join the decode batch, which then runs one token per
+running sequence per step. A decode step is a CUDA graph replay for the smallest captured batch-size
+bucket >= the running count (padding rows point at a scratch slot), then greedy argmax or the fused
+sampler on the GPU; the sampled ids stay on the device as the next step's input, and one small copy
+per step brings them to the host for stop checks and callbacks.
+`generate` has the contract of `models.generate.generate`, so the text engine and the benchmark use
+either interchangeably.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from batchinfer.engine.api import SamplingParams
+from batchinfer.engine.kernel_model import KernelModel, SlotState
+from batchinfer.kernels.sampling import sample
+from batchinfer.models.generate import GenerationOutput, StepCallback
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS = 512  # decode batch cap: past it the MoE reads every expert anyway and steps only get longer
+PREFILL_TOKENS = 16384  # prompt tokens per prefill pass
+MEMORY_RESERVE = 0.1  # of total GPU memory kept free for activations and the graphs' pool
+
+
+@dataclass(slots=True)
+class _Seq:
+    index: int  # request index
+    prompt: list[int]
+    params: SamplingParams
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+def _buckets(slots: int) -> list[int]:
+    """Decode batch sizes captured as graphs: powers of two, then multiples of 64, up to `slots`."""
+    sizes = {min(2**i, slots) for i in range(7)} | set(range(64, slots, 64)) | {slots}
+    return sorted(sizes)
+
+
+class FastGenerator:
+    """Runs `KernelModel` over many requests; see the module docstring. One generator per GPU."""
+
+    def __init__(
+        self,
+        model: KernelModel,
+        max_slots: int = MAX_SLOTS,
+        prefill_tokens: int = PREFILL_TOKENS,
+        cuda_graphs: bool | None = None,
+    ) -> None:
+        self.model = model
+        self.max_slots = max_slots
+        self.prefill_tokens = prefill_tokens
+        self.cuda_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.device = model.device
+        self._state: SlotState | None = None
+        self._slots = 0
+        self._max_len = 0
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.stats: dict[str, int] = {"prefill_passes": 0, "decode_steps": 0, "graph_captures": 0}
+        self.batch_sizes: list[int] = []
+
+    def release(self) -> None:
+        """Free the state pools and captured graphs (the next `generate` allocates them again)."""
+        self._state = None
+        self._graphs.clear()
+        self._pool = None
+        self._slots = self._max_len = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- capacity ----
+
+    def _plan_slots(self, n: int, max_len: int) -> int:
+        if self.device.type != "cuda":
+            return min(n, 64)
+        free, total = torch.cuda.mem_get_info(self.device)
+        usable = free - MEMORY_RESERVE * total
+        fit = int(usable // self.model.slot_bytes(max_len)) - 1  # one scratch slot for graph padding
+        if fit < 1:
+            raise torch.OutOfMemoryError(
+                f"not even one sequence of {max_len} tokens fits in the {free / 2**30:.1f} GiB free "
+                f"on {self.device}"
+            )
+        return min(n, fit, self.max_slots)
+
+    def _ensure_state(self, n: int, max_len: int) -> int:
+        """Pools for at least min(n, what fits) slots of `max_len` tokens; returns the slot count to use."""
+        if self._state is not None and self._max_len >= max_len and self._slots >= min(n, self.max_slots):
+            return self._slots
+        self.release()
+        slots = self._plan_slots(n, max_len)
+        self._state = self.model.new_state(slots + 1, max_len)  # slot `slots` is the padding scratch
+        self._slots, self._max_len = slots, max_len
+        dev = self.device
+        self._ids = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self._pos = torch.zeros(slots, dtype=torch.int32, device=dev)
+        self._slot_ids = torch.full((slots,), slots, dtype=torch.int32, device=dev)
+        self._temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self._top_k = torch.zeros(slots, dtype=torch.int32, device=dev)
+        self._top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self._seeds = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self._steps = torch.zeros(slots, dtype=torch.int64, device=dev)
+        log.info(
+            "engine state: %d slots of %d tokens (%.1f GiB)",
+            slots,
+            max_len,
+            self.model.slot_bytes(max_len) * (slots + 1) / 2**30,
+        )
+        return slots
+
+    # ---- one decode step ----
+
+    def _decode_logits(self, bucket: int) -> torch.Tensor:
+        args = (self._state, self._ids[:bucket], self._pos[:bucket], self._slot_ids[:bucket])
+        if not self.cuda_graphs:
+            return self.model.decode(*args)
+        if bucket not in self._graphs:
+            self.model.decode(*args)  # compiles the kernels and sets up cuBLAS outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self.model.decode(*args)
+            self._pool = graph.pool()
+            self._graphs[bucket] = (graph, logits)
+            self.stats["graph_captures"] += 1
+        graph, logits = self._graphs[bucket]
+        graph.replay()
+        return logits
+
+    def _load_rows(self, rows: list[_Seq]) -> None:
+        """Copy the running rows' next inputs and sampling parameters into the static buffers."""
+        n = len(rows)
+        pos = [len(s.prompt) + len(s.tokens) - 1 for s in rows]
+        self._ids[:n].copy_(torch.tensor([s.tokens[-1] for s in rows], dtype=torch.int64))
+        self._pos[:n].copy_(torch.tensor(pos, dtype=torch.int32))
+        self._slot_ids.fill_(self._slots)
+        self._slot_ids[:n].copy_(torch.tensor([s.slot for s in rows], dtype=torch.int32))
+        self._pos[n:].zero_()
+        self._temperature[:n].copy_(torch.tensor([s.params.temperature for s in rows], dtype=torch.float32))
+        self._top_k[:n].copy_(torch.tensor([s.params.top_k for s in rows], dtype=torch.int32))
+        self._top_p[:n].copy_(torch.tensor([s.params.top_p for s in rows], dtype=torch.float32))
+        self._seeds[:n].copy_(torch.tensor([s.params.seed for s in rows], dtype=torch.int64))
+        self._steps[:n].copy_(torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64))
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[_Seq],
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        seeds: torch.Tensor,
+        steps: torch.Tensor,
+    ) -> torch.Tensor:
+        if all(s.params.temperature == 0 for s in rows):
+            return logits.argmax(-1)
+        filtered = any(s.params.top_k or s.params.top_p < 1 for s in rows)
+        return sample(logits.contiguous(), temperature, top_k, top_p, seeds, steps, filtered=filtered)
+
+    # ---- prefill ----
+
+    def _prefill(self, group: list[_Seq]) -> list[int]:
+        """Prefill `group` (slots assigned) and sample each one's first token; splits on out-of-memory."""
+        try:
+            return self._prefill_pass(group)
+        except torch.OutOfMemoryError:
+            if len(group) == 1:
+                raise
+            torch.cuda.empty_cache()
+            half = len(group) // 2
+            log.warning(
+                "prefill of %d prompts ran out of GPU memory; retrying as %d + %d",
+                len(group),
+                half,
+                len(group) - half,
+            )
+            return self._prefill(group[:half]) + self._prefill(group[half:])
+
+    def _prefill_pass(self, group: list[_Seq]) -> list[int]:
+        dev = self.device
+        lens = [len(s.prompt) for s in group]
+        ids = torch.tensor([t for s in group for t in s.prompt], dtype=torch.int64).to(dev)
+        positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]).to(dev)
+        token_slots = torch.repeat_interleave(torch.tensor([s.slot for s in group]), torch.tensor(lens)).to(
+            dev
+        )
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(dev)
+        slots = torch.tensor([s.slot for s in group], dtype=torch.int32).to(dev)
+        logits = self.model.prefill(self._state, ids, positions, token_slots, cu, slots, max(lens))
+        self.stats["prefill_passes"] += 1
+        p = [s.params for s in group]
+        n = len(group)
+        tokens = self._sample(
+            logits,
+            group,
+            torch.tensor([x.temperature for x in p], dtype=torch.float32).to(dev),
+            torch.tensor([x.top_k for x in p], dtype=torch.int32).to(dev),
+            torch.tensor([x.top_p for x in p], dtype=torch.float32).to(dev),
+            torch.tensor([x.seed for x in p], dtype=torch.int64).to(dev),
+            torch.zeros(n, dtype=torch.int64, device=dev),
+        )
+        return tokens.tolist()
+
+    # ---- the loop ----
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        stop_token_ids: Collection[int] = frozenset(),
+        on_step: StepCallback | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for each prompt with its own sampling params (contract of `models.generate.generate`)."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if not prompts:
+            return []
+        vocab = self.model.config.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"sequence {i} is empty")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"sequence {i} has token ids outside 0..{vocab - 1}")
+        seqs = [_Seq(i, list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        max_len = max(len(s.prompt) + s.params.max_tokens for s in seqs)
+        slots = self._ensure_state(len(seqs), max_len)
+        buckets = _buckets(slots)
+        # Longest-output first: short requests fill the slots the long ones leave behind.
+        pending = deque(sorted(seqs, key=lambda s: -s.params.max_tokens))
+        free = list(range(slots - 1, -1, -1))
+        running: list[_Seq] = []
+        dirty = True
+        refill_at = max(1, slots // 8)
+        with torch.inference_mode():
+            while pending or running:
+                if pending and free and (not running or len(free) >= min(refill_at, len(pending))):
+                    group, budget = [], self.prefill_tokens
+                    while pending and free and (not group or len(pending[0].prompt) <= budget):
+                        s = pending.popleft()
+                        s.slot = free.pop()
+                        budget -= len(s.prompt)
+                        group.append(s)
+                    self._record(group, self._prefill(group), stop_token_ids, on_step)
+                    running += [s for s in group if s.finish is None]
+                    free += [s.slot for s in group if s.finish is not None]
+                    dirty = True
+                    continue
+                if dirty:
+                    self._load_rows(running)
+                    dirty = False
+                b = len(running)
+                bucket = next(x for x in buckets if x >= b)
+                self.batch_sizes.append(b)
+                logits = self._decode_logits(bucket)[:b]
+                tokens = self._sample(
+                    logits,
+                    running,
+                    self._temperature[:b],
+                    self._top_k[:b],
+                    self._top_p[:b],
+                    self._seeds[:b],
+                    self._steps[:b],
+                )
+                self._ids[:b].copy_(tokens)
+                self._pos[:b] += 1
+                self._steps[:b] += 1
+                self.stats["decode_steps"] += 1
+                self._record(running, tokens.tolist(), stop_token_ids, on_step)
+                if any(s.finish is not None for s in running):
+                    free += [s.slot for s in running if s.finish is not None]
+                    running = [s for s in running if s.finish is None]
+                    dirty = True
+        return [GenerationOutput(s.tokens, s.finish or "length") for s in seqs]
+
+    @staticmethod
+    def _record(
+        rows: Sequence[_Seq], tokens: list[int], stop_ids: Collection[int], on_step: StepCallback | None
+    ) -> None:
+        for s, t in zip(rows, tokens, strict=True):
+            s.tokens.append(t)
+            if t in stop_ids and not s.params.ignore_eos:
+                s.finish = "stop"
+            elif len(s.tokens) >= s.params.max_tokens:
+                s.finish = "length"
+        if on_step is not None:
+            step = {s.index: t for s, t in zip(rows, tokens, strict=True)}
+            by_index = {s.index: s for s in rows}
+            for i in on_step(step) or ():
+                if i in by_index:
+                    by_index[i].finish = "stop"

@@ -1,0 +1,310 @@
+"""The model forward of the GPU engine: both Qwen MoE families on our Triton kernels, over packed tokens.
+
+Weights are laid out once at load time for the kernels:
+- routed experts (and Qwen3.5's shared expert, stacked as one more expert) stay NVFP4 and run in the
+  fused MoE kernel, which decodes FP4 in registers; bf16 experts run the same kernel unquantized
+  (FP8 experts, which no supported checkpoint has, are dequantized to bf16);
+- every other linear (attention and DeltaNet projections, lm_head) is dequantized to bf16 once and
+  runs on cuBLAS, with the projections that read the same input concatenated into one matrix
+  (q|k|v, DeltaNet qkv|z|b|a). Measured on the H200 (docs/PERF.md), cuBLAS on the bf16 weight beats
+  our NVFP4 and FP8 W-only kernels at these shapes for every M, and these weights are ~7% of the bytes.
+State lives in per-slot pools preallocated by the caller (`SlotState`): the KV cache
+`[slots, Hkv, max_len, Dh]` per attention layer, conv state `[slots, K - 1, C]` and fp32 recurrent
+state `[slots, Hv, Dk, Dv]` per DeltaNet layer.
+Two forwards: `prefill` runs whole prompts packed (`cu_seqlens`), each from an empty slot; `decode` runs
+one token per row and is CUDA-graph safe (no host sync, shapes fixed by the row count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from batchinfer.kernels.attention import decode_attention, prefill_attention
+from batchinfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
+from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
+from batchinfer.kernels.moe import MoEWeights, fused_moe, stack_moe_weights
+from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
+from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
+from batchinfer.kernels.small_ops import add_rmsnorm, embedding
+from batchinfer.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from batchinfer.models.layers import Linear
+
+_MLP = ("gate_proj", "up_proj", "down_proj")
+# Prompts at most this long run the token-recurrent DeltaNet prefill; longer ones the chunked kernel.
+RECURRENT_PREFILL_MAX = 64
+
+
+def dense_bf16(w: Linear) -> torch.Tensor:
+    """Any linear weight as bf16 `[N, K]`, dequantized exactly as the reference does at each use."""
+    if isinstance(w, (NVFP4Weight, FP8Weight)):
+        return w.dequantize(torch.bfloat16)
+    return w.to(torch.bfloat16)
+
+
+def _expert(w: Linear) -> Linear:
+    return w if isinstance(w, NVFP4Weight) else dense_bf16(w)
+
+
+@dataclass(slots=True)
+class AttentionWeights:
+    qkv: torch.Tensor  # bf16 [H * Dh (* 2 with the output gate) + 2 * Hkv * Dh, D]
+    o_proj: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+
+
+@dataclass(slots=True)
+class DeltaNetWeights:
+    in_proj: torch.Tensor  # bf16 [conv_dim + Hv * Dv + 2 * Hv, D]: qkv | z | b | a
+    conv: torch.Tensor  # [conv_dim, K]
+    A_log: torch.Tensor  # fp32 [Hv]
+    dt_bias: torch.Tensor  # fp32 [Hv]
+    norm: torch.Tensor  # [Dv]
+    out_proj: torch.Tensor
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    mixer: AttentionWeights | DeltaNetWeights
+    moe: MoEWeights
+
+
+@dataclass(slots=True)
+class SlotState:
+    """Per-slot state pools of every layer (index = layer; the other kind's entry is None)."""
+
+    k: list[torch.Tensor | None]  # [slots, Hkv, max_len, Dh] bf16
+    v: list[torch.Tensor | None]
+    conv: list[torch.Tensor | None]  # [slots, K - 1, conv_dim] bf16
+    recurrent: list[torch.Tensor | None]  # [slots, Hv, Dk, Dv] fp32
+
+    @property
+    def max_len(self) -> int:
+        return next(t.shape[2] for t in self.k if t is not None) if any(t is not None for t in self.k) else 0
+
+
+class KernelModel:
+    """Weights in kernel layouts plus the prefill and decode forwards (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Linear]) -> None:
+        c = self.config = config
+        self.device = weights["embed_tokens"].device
+        self.dtype = torch.bfloat16
+        self.embed = dense_bf16(weights["embed_tokens"]).contiguous()
+        lm_head = weights.get("lm_head", weights["embed_tokens"] if c.tie_word_embeddings else None)
+        if lm_head is None:
+            raise ValueError(
+                "weights: missing tensor 'lm_head' (and the config does not tie it to embed_tokens)"
+            )
+        self.lm_head = dense_bf16(lm_head).contiguous()
+        self.norm = weights["norm"].to(torch.bfloat16)
+        self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, self.device)
+        self.layers = [self._layer(weights, i, kind) for i, kind in enumerate(c.layer_types)]
+
+    def _layer(self, w: Mapping[str, Linear], i: int, kind: str) -> LayerWeights:
+        c, p = self.config, f"layers.{i}."
+        mixer: AttentionWeights | DeltaNetWeights
+        if kind == "full_attention":
+            a = p + "self_attn."
+            mixer = AttentionWeights(
+                qkv=torch.cat([dense_bf16(w[a + n]) for n in ("q_proj", "k_proj", "v_proj")]).contiguous(),
+                o_proj=dense_bf16(w[a + "o_proj"]).contiguous(),
+                q_norm=w[a + "q_norm"].to(torch.bfloat16),
+                k_norm=w[a + "k_norm"].to(torch.bfloat16),
+            )
+        else:
+            a = p + "linear_attn."
+            parts = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+            mixer = DeltaNetWeights(
+                in_proj=torch.cat([dense_bf16(w[a + n]) for n in parts]).contiguous(),
+                conv=w[a + "conv1d"].to(torch.bfloat16).reshape(-1, c.linear_conv_kernel_dim).contiguous(),
+                A_log=w[a + "A_log"].float().contiguous(),
+                dt_bias=w[a + "dt_bias"].float().contiguous(),
+                norm=w[a + "norm"].to(torch.bfloat16),
+                out_proj=dense_bf16(w[a + "out_proj"]).contiguous(),
+            )
+        m = p + "mlp."
+        experts = [tuple(_expert(w[f"{m}experts.{e}.{n}"]) for n in _MLP) for e in range(c.num_experts)]
+        shared = (
+            tuple(_expert(w[f"{m}shared_expert.{n}"]) for n in _MLP)
+            if c.shared_expert_intermediate_size
+            else None
+        )
+        moe = stack_moe_weights(
+            dense_bf16(w[m + "gate"]),
+            experts,
+            shared,  # type: ignore[arg-type]
+            dense_bf16(w[m + "shared_expert_gate"]) if shared is not None else None,
+        )
+        return LayerWeights(
+            w[p + "input_layernorm"].to(torch.bfloat16),
+            w[p + "post_attention_layernorm"].to(torch.bfloat16),
+            mixer,
+            moe,
+        )
+
+    # ---- state ----
+
+    def slot_bytes(self, max_len: int) -> int:
+        """Bytes of state one slot holds with room for `max_len` tokens."""
+        c = self.config
+        total = 0
+        for kind in c.layer_types:
+            if kind == "full_attention":
+                total += 2 * c.num_key_value_heads * max_len * c.head_dim * 2
+            else:
+                total += (c.linear_conv_kernel_dim - 1) * self._conv_dim * 2
+                total += c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        return total
+
+    @property
+    def _conv_dim(self) -> int:
+        c = self.config
+        return (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + c.linear_num_value_heads * c.linear_value_head_dim
+        )
+
+    def new_state(self, slots: int, max_len: int) -> SlotState:
+        """Zeroed pools for `slots` sequences of up to `max_len` tokens each."""
+        c, dev = self.config, self.device
+        state = SlotState([], [], [], [])
+        for kind in c.layer_types:
+            attn = kind == "full_attention"
+            kv = (slots, c.num_key_value_heads, max_len, c.head_dim)
+            state.k.append(torch.zeros(kv, dtype=torch.bfloat16, device=dev) if attn else None)
+            state.v.append(torch.zeros(kv, dtype=torch.bfloat16, device=dev) if attn else None)
+            conv = (slots, c.linear_conv_kernel_dim - 1, self._conv_dim)
+            state.conv.append(None if attn else torch.zeros(conv, dtype=torch.bfloat16, device=dev))
+            rec = (slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+            state.recurrent.append(None if attn else torch.zeros(rec, dtype=torch.float32, device=dev))
+        return state
+
+    # ---- forwards ----
+
+    def prefill(
+        self,
+        state: SlotState,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_slots: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        slots: torch.Tensor,
+        max_seqlen: int,
+    ) -> torch.Tensor:
+        """Whole prompts packed: `ids`, `positions` (int32), `token_slots` (int64) `[T]`; `cu_seqlens`
+        int32 `[N + 1]`, `slots` int32 `[N]`. Fills the slots' state; returns bf16 logits `[N, V]` of each
+        prompt's last token."""
+        c = self.config
+        x, residual = embedding(ids, self.embed), None
+        for i, layer in enumerate(self.layers):
+            h, residual = add_rmsnorm(x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm)
+            if isinstance(layer.mixer, AttentionWeights):
+                q, k, v, gate = self._qkv(h, layer.mixer, positions)
+                state.k[i][token_slots, :, positions.long()] = k  # type: ignore[index]
+                state.v[i][token_slots, :, positions.long()] = v  # type: ignore[index]
+                o = prefill_attention(q, k, v, cu_seqlens, max_seqlen, gate=gate)
+                h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
+            else:
+                h = self._deltanet(h, layer.mixer, state, i, slots, cu_seqlens, max_seqlen)
+            h, residual = add_rmsnorm(h, residual, layer.post_norm, c.rms_norm_eps, c.one_plus_norm)
+            x = fused_moe(h, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
+        last = cu_seqlens[1:].long() - 1  # each prompt's last token
+        h, _ = add_rmsnorm(
+            x[last].contiguous(), residual[last].contiguous(), self.norm, c.rms_norm_eps, c.one_plus_norm
+        )
+        return h @ self.lm_head.t()
+
+    def decode(
+        self, state: SlotState, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per row: `ids [B]` at `positions [B]` (int32) of the sequences in `slots [B]` (int32).
+        Appends to the slots' state; returns bf16 logits `[B, V]`. No host sync (CUDA-graph safe)."""
+        c = self.config
+        seq_lens, slot_idx, pos_idx = positions + 1, slots.long(), positions.long()
+        x, residual = embedding(ids, self.embed), None
+        for i, layer in enumerate(self.layers):
+            h, residual = add_rmsnorm(x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm)
+            if isinstance(layer.mixer, AttentionWeights):
+                q, k, v, gate = self._qkv(h, layer.mixer, positions)
+                kc, vc = state.k[i], state.v[i]
+                kc[slot_idx, :, pos_idx] = k  # type: ignore[index]
+                vc[slot_idx, :, pos_idx] = v  # type: ignore[index]
+                o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate)  # type: ignore[arg-type]
+                h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
+            else:
+                h = self._deltanet(h, layer.mixer, state, i, slots, None, 1)
+            h, residual = add_rmsnorm(h, residual, layer.post_norm, c.rms_norm_eps, c.one_plus_norm)
+            x = fused_moe(h, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
+        h, _ = add_rmsnorm(x, residual, self.norm, c.rms_norm_eps, c.one_plus_norm)
+        return h @ self.lm_head.t()
+
+    def _qkv(self, h: torch.Tensor, w: AttentionWeights, positions: torch.Tensor):
+        """q, k (normed, rotated), v `[T, heads, Dh]` and the output gate (or None) of one attention layer."""
+        c = self.config
+        T, H, Hkv, Dh = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = h @ w.qkv.t()
+        q_width = H * Dh * (2 if c.attn_output_gate else 1)
+        q = qkv[:, :q_width].view(T, H, -1)  # Qwen3.5 interleaves per head: [h0 q | h0 gate | h1 q ...]
+        gate = q[..., Dh:] if c.attn_output_gate else None
+        k = qkv[:, q_width : q_width + Hkv * Dh].view(T, Hkv, Dh)
+        v = qkv[:, q_width + Hkv * Dh :].view(T, Hkv, Dh)
+        q, k = qk_norm_rope(
+            q[..., :Dh], k, w.q_norm, w.k_norm, positions, self.inv_freq, c.rms_norm_eps, c.one_plus_norm
+        )
+        return q, k, v, gate
+
+    def _deltanet(
+        self,
+        h: torch.Tensor,
+        w: DeltaNetWeights,
+        state: SlotState,
+        i: int,
+        slots: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int,
+    ) -> torch.Tensor:
+        c = self.config
+        T = h.shape[0]
+        Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
+        C = self._conv_dim
+        proj = h @ w.in_proj.t()  # [T, C + Hv * Dv + 2 * Hv]
+        conv_state, rec = state.conv[i], state.recurrent[i]
+        if cu_seqlens is None:
+            mixed = causal_conv1d_update(proj[:, :C], w.conv, conv_state, slots)  # type: ignore[arg-type]
+        else:
+            mixed = causal_conv1d(proj[:, :C], w.conv, cu_seqlens, max_seqlen, conv_state, slots)  # type: ignore[arg-type]
+        q = mixed[:, : Hk * Dk].view(T, Hk, Dk)
+        k = mixed[:, Hk * Dk : 2 * Hk * Dk].view(T, Hk, Dk)
+        v = mixed[:, 2 * Hk * Dk :].view(T, Hv, Dv)
+        z = proj[:, C : C + Hv * Dv].view(T, Hv, Dv)
+        b = proj[:, C + Hv * Dv : C + Hv * Dv + Hv]
+        a = proj[:, C + Hv * Dv + Hv :]
+        if cu_seqlens is None or max_seqlen <= RECURRENT_PREFILL_MAX:
+            o = gated_delta_rule(q, k, v, a, b, w.A_log, w.dt_bias, rec, slots, cu_seqlens)  # type: ignore[arg-type]
+        else:
+            o = chunk_gated_delta_rule(
+                q,
+                k,
+                v,
+                a,
+                b,
+                w.A_log,
+                w.dt_bias,
+                rec,
+                slots,
+                cu_seqlens,  # type: ignore[arg-type]
+                max_seqlen,
+            )
+        o = gated_rmsnorm(o, z, w.norm, c.rms_norm_eps)
+        return o.reshape(T, Hv * Dv) @ w.out_proj.t()
