@@ -332,3 +332,112 @@ def images(
             json.dump(result, f, indent=1)
     if result.get("peer_error"):
         raise click.ClickException(f"the Meta peer failed (our figures above stand): {result['peer_error']}")
+
+
+@bench.command("images")
+@click.option("--workload", required=True, help="Image workload of workloads.json: images-1p, images-4p.")
+@click.option(
+    "--model", "model_path", type=click.Path(exists=True, dir_okay=False), help="sam3.pt or .safetensors."
+)
+@click.option("--preset", type=click.Choice(["sam3", "tiny-sam3"]), help="Random weights at these shapes.")
+@click.option("--random", "random_weights", is_flag=True, help="Draw --preset's weights in memory.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the --random weights.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--dtype", type=click.Choice(["bf16", "fp32"]), help="Our fast path [default: bf16 on GPU, fp32 on CPU]."
+)
+@click.option("--batch-size", default=16, show_default=True, type=int, help="Images per model call.")
+@click.option(
+    "--score-threshold", default=0.5, show_default=True, type=float, help="Instances kept (job default)."
+)
+@click.option("--max-images", type=int, help="Run only the first N images (recorded deviation).")
+@click.option(
+    "--lock-images", default=4, show_default=True, type=int, help="Images the accuracy lock and parity check."
+)
+@click.option("--peer", type=click.Choice(["meta"]), help="Also run Meta's SAM 3 on the same images.")
+@click.option(
+    "--peer-path",
+    default=".peer",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder holding a copy of Meta's sam3/ package (never part of batchinfer).",
+)
+@click.option("--peer-images", type=int, help="Cap of the images the peer runs [default: all].")
+@click.option(
+    "--workloads",
+    "workloads_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Workloads file [default: the copy shipped with batchinfer].",
+)
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
+)
+def images(
+    workload: str,
+    model_path: str | None,
+    preset: str | None,
+    random_weights: bool,
+    seed: int,
+    device: str,
+    dtype: str | None,
+    batch_size: int,
+    score_threshold: float,
+    max_images: int | None,
+    lock_images: int,
+    peer: str | None,
+    peer_path: str,
+    peer_images: int | None,
+    workloads_file: str | None,
+    json_out: str | None,
+) -> None:
+    """Run a SAM 3 image workload end to end (PNG bytes decoded, model, masks to COCO RLE, Parquet) and
+    report images/s, pairs/s, wall time and peak memory, after checking the fast path against the fp32
+    reference on a sample of the images (the accuracy lock: a failing lock exits non-zero and records
+    no figure). With --peer meta, Meta's implementation runs the same images with the same weights."""
+    if (model_path is None) == (preset is None):
+        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
+    if preset is not None and not random_weights:
+        raise click.UsageError("--preset draws random weights; say so with --random")
+    if batch_size < 1:
+        raise click.UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    if not 0 <= score_threshold < 1:
+        raise click.UsageError(f"--score-threshold must be in [0, 1), got {score_threshold}")
+    import torch
+
+    from batchinfer.bench.images import build_models, format_result, image_workload, run_images_benchmark
+    from batchinfer.bench.workloads import load_workloads
+    from batchinfer.engine.loader import resolve_device
+    from batchinfer.sam3.checkpoint import load_sam3_state_dict, random_sam3_state_dict
+    from batchinfer.sam3.config import Sam3Config
+
+    work = image_workload(workload, max_images=max_images, workloads=load_workloads(workloads_file))
+    dev = resolve_device(device)
+    run_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        dtype or ("fp32" if dev.type == "cpu" else "bf16")
+    ]
+    if model_path is not None:
+        state, config = load_sam3_state_dict(model_path)
+        info = {"model": model_path}
+    else:
+        config = Sam3Config.real() if preset == "sam3" else Sam3Config.tiny()
+        state = {k.removeprefix("detector."): v for k, v in random_sam3_state_dict(config, seed).items()}
+        info = {"model": f"preset {preset} (random weights, seed {seed})"}
+    model, reference = build_models(state, config, dev, run_dtype)
+    meta = None
+    if peer == "meta":
+        from batchinfer.bench.meta_sam3_peer import MetaSam3Peer
+
+        def meta() -> MetaSam3Peer:
+            return MetaSam3Peer(peer_path, state, dev)
+
+    result = run_images_benchmark(
+        model, reference, work, dev, threshold=score_threshold, batch_size=batch_size,
+        lock_images=lock_images, peer=meta, peer_images=peer_images, info=info,
+    )  # fmt: skip
+    for line in format_result(result):
+        click.echo(line)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    if result.get("peer_error"):
+        raise click.ClickException(f"the Meta peer failed (our figures above stand): {result['peer_error']}")

@@ -148,7 +148,8 @@ class Sam3Model(nn.Module):
             raise InputError(f"segment: {len(images)} images but {len(prompts)} prompt lists")
         if not images:
             return []
-        pixels = torch.stack([preprocess_image(img, self.config.image_size) for img in images])
+        device = self._param().device  # resize on the model's device, not on the thread that feeds it
+        pixels = torch.stack([preprocess_image(img.to(device), self.config.image_size) for img in images])
         fpn = self.encode_images(pixels)
         distinct = list(dict.fromkeys(p for plist in prompts for p in plist))
         pairs = [(i, p) for i, plist in enumerate(prompts) for p in plist]
@@ -157,7 +158,6 @@ class Sam3Model(nn.Module):
             return results
         text, text_mask = self.encode_prompts(distinct)
         index = {p: j for j, p in enumerate(distinct)}
-        device = fpn[0].device
         for start in range(0, len(pairs), pairs_per_batch):
             chunk = pairs[start : start + pairs_per_batch]
             image_ids = torch.tensor([i for i, _ in chunk], device=device)
