@@ -107,8 +107,27 @@ class MoEConfig:
     down: tuple[int, int, int, int]
 
 
-def _moe_configs(numel: int, experts: int) -> MoEConfig:
-    """By average entries per expert; a first guess, not yet tuned on the H200 (tune_kernels --kinds moe)."""
+@dataclass(frozen=True, slots=True)
+class MoEDecodeConfig:
+    """Launch configuration of the NVFP4 decode path: per kernel (BLOCK_N, BLOCK_G (16-code scale groups
+    per K step), num_warps, num_stages). `rows` = 0: one gate_up program per entry, no alignment;
+    `rows` = R >= 1: entries grouped by expert (`moe_align`, BLOCK_M = R), each tile decoded once for R
+    entries. Down always runs one program per token over all its slots."""
+
+    gate_up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+    rows: int = 0
+
+
+# Entries (tokens x slots) up to which NVFP4 experts take the decode path (H200 sweep, tune_kernels).
+DECODE_MAX_ENTRIES = 288
+
+
+def _moe_configs(numel: int, experts: int, nvfp4: bool = True) -> MoEConfig | MoEDecodeConfig:
+    """By entries and average entries per expert; tuned on the H200 (tune_kernels --kinds moe)."""
+    if nvfp4 and numel <= DECODE_MAX_ENTRIES:
+        return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1)) if interpreting() else \
+            MoEDecodeConfig((16, 32, 4, 3), (16, 32, 4, 3))
     if interpreting():
         return MoEConfig(16, (16, 32, 4, 1), (16, 32, 4, 1))
     avg = numel / experts
@@ -170,6 +189,15 @@ def moe_route(
         _moe_route_kernel[(t,)](logits, ids, weights, num_experts, logits.stride(0), TOP_K=top_k,
                                 E_PAD=triton.next_power_of_2(num_experts), RENORM=renormalize, SHARED=shared)
     return ids, weights
+
+
+@triton.jit
+def _bf16_rne(acc, INTERPRET: tl.constexpr):
+    """fp32 -> bf16 rounded to nearest even; the interpreter truncates, so round the bits first there."""
+    if INTERPRET:
+        bits = acc.to(tl.uint32, bitcast=True)
+        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return acc.to(tl.bfloat16)
 
 
 @triton.jit
@@ -245,10 +273,7 @@ def _moe_gemm_kernel(
             acc = acc * (tl.load(ts_ptr + e) * 4194304.0)
         acc = acc * tl.load(route_w_ptr + entry, mask=valid, other=0.0)[:, None]
     out_ptrs = out_ptr + entry.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    if INTERPRET:  # the interpreter truncates fp32 -> bf16; round to nearest even first, as the GPU does
-        bits = acc.to(tl.uint32, bitcast=True)
-        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, _bf16_rne(acc, INTERPRET), mask=valid[:, None] & mask_n[None, :])
 
 
 def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_expert, num_padded,
@@ -271,8 +296,266 @@ def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, 
     )
 
 
+@triton.jit
+def _e2m1_pair(w, P: tl.constexpr):
+    """uint32 word of 8 E2M1 codes (code j in bits 4j..4j+3) -> codes P and P + 4 as fp32 times 2^-14.
+
+    Both codes become fp16 bit patterns with one shift-and-mask per word (sign to bit 15/31, the three
+    magnitude bits to bits 9-11/25-27: E2M1 maps onto fp16's subnormal/normal boundary exactly), so the
+    integer work is ~1.5 instructions per code instead of ~5 per code for a byte at a time."""
+    if P == 3:
+        mag = (w >> 3) & 0x0E000E00
+    else:
+        mag = (w << (9 - 4 * P)) & 0x0E000E00
+    u = mag | ((w << (12 - 4 * P)) & 0x80008000)
+    lo = u.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr):
+    """x[16 g + P] for the K groups `groups` (fp32); X_PMAJOR rows are stored as [16, G]."""
+    if X_PMAJOR:
+        offs = P * G + groups
+    else:
+        offs = groups * 16 + P
+    return tl.load(x_row + offs, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _x_rows_at(x_rows, valid, groups, P: tl.constexpr, mask_g):
+    """x[row, 16 g + P] for row pointers `x_rows` [R] (fp32, [R, 1, BG])."""
+    mask = valid[:, None] & mask_g[None, :]
+    x = tl.load(x_rows[:, None] + (groups * 16 + P)[None, :], mask=mask, other=0.0)
+    return x.to(tl.float32)[:, None, :]
+
+
+@triton.jit
+def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """Per (row, group): sum over the group's 16 codes of code * x, [BN, BG] fp32 (times 2^-14).
+
+    `w_ptrs` [BN, BG, 2] point at the group's two int32 words (codes 0-7, 8-15)."""
+    wa, wb = tl.split(tl.load(w_ptrs, mask=mask, other=0).to(tl.uint32, bitcast=True))
+    c0, c4 = _e2m1_pair(wa, 0)
+    c1, c5 = _e2m1_pair(wa, 1)
+    c2, c6 = _e2m1_pair(wa, 2)
+    c3, c7 = _e2m1_pair(wa, 3)
+    acc = c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3 + c4 * x4 + c5 * x5 + c6 * x6 + c7 * x7
+    c8, c12 = _e2m1_pair(wb, 0)
+    c9, c13 = _e2m1_pair(wb, 1)
+    c10, c14 = _e2m1_pair(wb, 2)
+    c11, c15 = _e2m1_pair(wb, 3)
+    return acc + c8 * x8 + c9 * x9 + c10 * x10 + c11 * x11 + c12 * x12 + c13 * x13 + c14 * x14 + c15 * x15
+
+
+@triton.jit
+def _e4m3(s):
+    """uint8 E4M3 bits -> fp32 value times 2^-8 (fp16 bit construction, exact)."""
+    s = s.to(tl.int32)
+    return (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
+               BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2):
+    """One K step of `_group_dot` times the block scales for rows `rows` (and, with TWO, rows + ROW2
+    of the same weight, sharing the x loads): returns ([BN, BG], [BN, BG]) fp32 times 2^-22."""
+    groups = g0 + tl.arange(0, BLOCK_G)
+    mask_g = groups < G
+    mask = mask_n[:, None] & mask_g[None, :]
+    x0 = _x_at(x_row, groups, 0, G, mask_g, X_PMAJOR)
+    x1 = _x_at(x_row, groups, 1, G, mask_g, X_PMAJOR)
+    x2 = _x_at(x_row, groups, 2, G, mask_g, X_PMAJOR)
+    x3 = _x_at(x_row, groups, 3, G, mask_g, X_PMAJOR)
+    x4 = _x_at(x_row, groups, 4, G, mask_g, X_PMAJOR)
+    x5 = _x_at(x_row, groups, 5, G, mask_g, X_PMAJOR)
+    x6 = _x_at(x_row, groups, 6, G, mask_g, X_PMAJOR)
+    x7 = _x_at(x_row, groups, 7, G, mask_g, X_PMAJOR)
+    x8 = _x_at(x_row, groups, 8, G, mask_g, X_PMAJOR)
+    x9 = _x_at(x_row, groups, 9, G, mask_g, X_PMAJOR)
+    x10 = _x_at(x_row, groups, 10, G, mask_g, X_PMAJOR)
+    x11 = _x_at(x_row, groups, 11, G, mask_g, X_PMAJOR)
+    x12 = _x_at(x_row, groups, 12, G, mask_g, X_PMAJOR)
+    x13 = _x_at(x_row, groups, 13, G, mask_g, X_PMAJOR)
+    x14 = _x_at(x_row, groups, 14, G, mask_g, X_PMAJOR)
+    x15 = _x_at(x_row, groups, 15, G, mask_g, X_PMAJOR)
+    offs_w = rows[:, None, None] * stride_wn + groups[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    mask_w = mask[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
+    offs_s = rows[:, None] * stride_sn + groups[None, :]
+    p = _group_dot(w_base + offs_w, mask_w,  #
+                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    p = p * _e4m3(tl.load(s_base + offs_s, mask=mask, other=0))
+    if TWO:
+        q = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask_w,
+                       x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        q = q * _e4m3(tl.load(s_base + ROW2 * stride_sn + offs_s, mask=mask, other=0))
+    else:
+        q = p
+    return p, q
+
+
+@triton.jit
+def _moe_decode_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr,  #
+    N, G, A_DIV,  #
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr,  #
+):
+    """out[entry] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for one entry and BLOCK_N columns n, with
+    tok = entry // A_DIV; stored K-group-major ([16, N / 16]: column n at (n % 16) * N/16 + n // 16), the
+    order in which the down kernel reads its x."""
+    entry = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < N
+    e = tl.load(ids_ptr + entry).to(tl.int64)
+    x_row = x_ptr + (entry // A_DIV).to(tl.int64) * stride_xm
+    w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
+    acc_g = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        p, q = _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
+                          BLOCK_G, False, True, N)
+        acc_g += p
+        acc_u += q
+    gate = tl.sum(acc_g, axis=1) * (tl.load(ts_ptr + e * 2) * 4194304.0)
+    up = tl.sum(acc_u, axis=1) * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
+    act = _bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
+    cols = (rows % 16) * (N // 16) + rows // 16
+    tl.store(out_ptr + entry.to(tl.int64) * stride_om + cols, act, mask=mask_n)
+
+
+@triton.jit
+def _moe_decode_gate_up_rows_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,  #
+    NUMEL, N, G, A_DIV,  #
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr,  #
+):
+    """`_moe_decode_gate_up_kernel` for a block of ROWS entries of one expert (from `moe_align`): each
+    weight tile is decoded once and multiplied into ROWS rows ([ROWS, BLOCK_N, BLOCK_G] accumulators)."""
+    pid_b = tl.program_id(0)
+    if pid_b * ROWS >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    entry = tl.load(sorted_ptr + pid_b * ROWS + tl.arange(0, ROWS))
+    valid = entry < NUMEL
+    x_rows = x_ptr + (entry // A_DIV).to(tl.int64) * stride_xm
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < N
+    w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
+    acc_g = tl.zeros((ROWS, BLOCK_N, BLOCK_G), dtype=tl.float32)
+    acc_u = tl.zeros((ROWS, BLOCK_N, BLOCK_G), dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        groups = g0 + tl.arange(0, BLOCK_G)
+        mask_g = groups < G
+        x0 = _x_rows_at(x_rows, valid, groups, 0, mask_g)
+        x1 = _x_rows_at(x_rows, valid, groups, 1, mask_g)
+        x2 = _x_rows_at(x_rows, valid, groups, 2, mask_g)
+        x3 = _x_rows_at(x_rows, valid, groups, 3, mask_g)
+        x4 = _x_rows_at(x_rows, valid, groups, 4, mask_g)
+        x5 = _x_rows_at(x_rows, valid, groups, 5, mask_g)
+        x6 = _x_rows_at(x_rows, valid, groups, 6, mask_g)
+        x7 = _x_rows_at(x_rows, valid, groups, 7, mask_g)
+        x8 = _x_rows_at(x_rows, valid, groups, 8, mask_g)
+        x9 = _x_rows_at(x_rows, valid, groups, 9, mask_g)
+        x10 = _x_rows_at(x_rows, valid, groups, 10, mask_g)
+        x11 = _x_rows_at(x_rows, valid, groups, 11, mask_g)
+        x12 = _x_rows_at(x_rows, valid, groups, 12, mask_g)
+        x13 = _x_rows_at(x_rows, valid, groups, 13, mask_g)
+        x14 = _x_rows_at(x_rows, valid, groups, 14, mask_g)
+        x15 = _x_rows_at(x_rows, valid, groups, 15, mask_g)
+        mask = (mask_n[:, None] & mask_g[None, :])[None, :, :]  # [1, BN, BG]
+        offs_w = rows[:, None, None] * stride_wn + groups[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+        mask_w = mask[:, :, :, None] & (tl.arange(0, 2) < 2)[None, None, None, :]
+        offs_s = (rows[:, None] * stride_sn + groups[None, :])[None, :, :]
+        p = _group_dot(w_base + offs_w[None, :, :, :], mask_w,  #
+                       x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        acc_g += p * _e4m3(tl.load(s_base + offs_s, mask=mask, other=0))
+        q = _group_dot(w_base + N * stride_wn + offs_w[None, :, :, :], mask_w,  #
+                       x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        acc_u += q * _e4m3(tl.load(s_base + N * stride_sn + offs_s, mask=mask, other=0))
+    gate = tl.sum(acc_g, axis=2) * (tl.load(ts_ptr + e * 2) * 4194304.0)  # [ROWS, BN]
+    up = tl.sum(acc_u, axis=2) * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
+    act = _bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
+    cols = (rows % 16) * (N // 16) + rows // 16
+    tl.store(out_ptr + entry.to(tl.int64)[:, None] * stride_om + cols[None, :], act,
+             mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr,  #
+    N, G, A,  #
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr,  #
+):
+    """out[t, n] = sum over the token's A slots of route_w * (x[entry] . down_e[n]), x rows K-group-major;
+    the top-k combine and the routing weights are fused here, summed in fp32 and rounded once."""
+    t = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < N
+    steps = tl.cdiv(G, BLOCK_G)
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(0, A * steps):  # one flat loop over (slot, K step), so every step can be pipelined
+        entry = t * A + i // steps
+        e = tl.load(ids_ptr + entry).to(tl.int64)
+        x_row = x_ptr + entry.to(tl.int64) * stride_xm
+        p, _ = _gemv_step(x_row, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, mask_n,  #
+                          (i % steps) * BLOCK_G, G, stride_wn, stride_sn, BLOCK_G, True, False, 0)
+        out += tl.sum(p, axis=1) * (tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 4194304.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, _bf16_rne(out, INTERPRET), mask=mask_n)
+
+
+def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights,
+                cfg: MoEDecodeConfig) -> torch.Tensor:
+    """The NVFP4 decode path: no alignment, GEMVs on CUDA cores over whole 16-code groups, combine fused."""
+    t, a = ids.shape
+    inter_n, d = w.intermediate, w.hidden
+    if inter_n % 16 or d % 16:
+        raise ValueError(f"decode path: hidden {d} and intermediate {inter_n} must be multiples of 16")
+    ids = ids.contiguous()
+    inter = torch.empty((t * a, inter_n), dtype=torch.bfloat16, device=h.device)  # K-group-major rows
+    out = torch.empty((t, d), dtype=torch.bfloat16, device=h.device)
+    w13, w2 = w.w13.view(torch.int32), w.w2.view(torch.int32)  # 8 codes per word
+    block_n, block_g, warps, stages = cfg.gate_up
+    strides = (h.stride(0), w13.stride(0), w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1),
+               inter.stride(0))
+    if cfg.rows:
+        sorted_ids, block_expert, num_padded = moe_align(ids, w.w13.shape[0], cfg.rows)
+        _moe_decode_gate_up_rows_kernel[(block_expert.numel(), triton.cdiv(inter_n, block_n))](
+            h, w13, w.w13_scale, w.w13_tensor_scale, inter, sorted_ids, block_expert, num_padded,  #
+            t * a, inter_n, d // 16, a,  #
+            *strides,  #
+            ROWS=cfg.rows, BLOCK_N=block_n, BLOCK_G=block_g, INTERPRET=interpreting(),  #
+            num_warps=warps, num_stages=stages,  #
+        )
+    else:
+        _moe_decode_gate_up_kernel[(t * a, triton.cdiv(inter_n, block_n))](
+            h, w13, w.w13_scale, w.w13_tensor_scale, inter, ids,  #
+            inter_n, d // 16, a,  #
+            *strides,  #
+            BLOCK_N=block_n, BLOCK_G=block_g, INTERPRET=interpreting(), num_warps=warps, num_stages=stages,  #
+        )
+    block_n, block_g, warps, stages = cfg.down
+    _moe_decode_down_kernel[(t, triton.cdiv(d, block_n))](
+        inter, w2, w.w2_scale, w.w2_tensor_scale, out, ids, rw,  #
+        d, inter_n // 16, a,  #
+        inter.stride(0), w2.stride(0), w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1),  #
+        out.stride(0),  #
+        BLOCK_N=block_n, BLOCK_G=block_g, INTERPRET=interpreting(), num_warps=warps, num_stages=stages,  #
+    )
+    return out
+
+
 def moe_experts(
-    h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: MoEWeights, config: MoEConfig | None = None
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    route_w: torch.Tensor,
+    w: MoEWeights,
+    config: MoEConfig | MoEDecodeConfig | None = None,
 ) -> torch.Tensor:
     """`h [T, D]` bf16 through the experts `ids [T, A']` weighted by `route_w [T, A']` -> `[T, D]` bf16.
 
@@ -288,11 +571,15 @@ def moe_experts(
     if numel == 0:
         return torch.zeros_like(h)
     experts = w.w13.shape[0]
-    cfg = config or _moe_configs(numel, experts)
+    cfg = config or _moe_configs(numel, experts, w.nvfp4)
+    rw = route_w.contiguous().view(-1).float()
+    if isinstance(cfg, MoEDecodeConfig):
+        if not w.nvfp4:
+            raise ValueError("MoEDecodeConfig: the decode path needs NVFP4 experts, got bf16")
+        return _moe_decode(h, ids, rw, w, cfg)
     sorted_ids, block_expert, num_padded = moe_align(ids, experts, cfg.block_m)
     inter = torch.empty((numel, w.intermediate), dtype=torch.bfloat16, device=h.device)  # [T*A', I]
     y = torch.empty((numel, d), dtype=torch.bfloat16, device=h.device)  # [T*A', D]
-    rw = route_w.contiguous().view(-1).float()
     _launch_moe_gemm(h, w, True, inter, rw, sorted_ids, block_expert, num_padded, numel, a_slots, cfg)
     _launch_moe_gemm(inter, w, False, y, rw, sorted_ids, block_expert, num_padded, numel, 1, cfg)
     return y.view(t, a_slots, d).sum(dim=1, dtype=torch.float32).to(torch.bfloat16)

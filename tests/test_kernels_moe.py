@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from batchinfer.kernels import moe
 from batchinfer.kernels.moe import (
     MoEConfig,
+    MoEDecodeConfig,
     fused_moe,
     fused_moe_ref,
     moe_experts,
@@ -71,15 +73,63 @@ def test_route_matches_reference(shared, renorm):
         torch.testing.assert_close(w[:, :4].sum(1), torch.ones(6, device=DEVICE))
 
 
+def _route(t: int, a: int, experts: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:a] for _ in range(t)]).int().to(DEVICE)
+    return ids, torch.rand(t, a, generator=g).to(DEVICE), g
+
+
 @pytest.mark.parametrize(("quant", "shared"), [(True, True), (True, False), (False, True)])
 def test_experts_match_reference(quant, shared):
     w = _weights(8, 64, 32, quant, shared, seed=11)
-    g = torch.Generator().manual_seed(12)
     t, a = 7, 2 + shared
-    ids = torch.stack([torch.randperm(8 + shared, generator=g)[:a] for _ in range(t)]).int().to(DEVICE)
-    route_w = torch.rand(t, a, generator=g).to(DEVICE)
+    ids, route_w, g = _route(t, a, 8 + shared, seed=12)
     h = torch.randn(t, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     assert _rel(moe_experts(h, ids, route_w, w), moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+# Decode path (NVFP4, few entries): tiles that do not divide N (48 rows) or the K groups (6 and 3),
+# per entry and grouped by expert.
+DECODE_CFGS = [
+    MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1)),
+    MoEDecodeConfig((32, 4, 2, 2), (64, 2, 1, 1)),
+    MoEDecodeConfig((16, 4, 4, 1), (16, 4, 4, 1), rows=2),  # entries grouped by expert, two per block
+]
+
+
+@pytest.mark.parametrize("cfg", DECODE_CFGS)
+@pytest.mark.parametrize("shared", [True, False])
+def test_decode_path_matches_reference(cfg, shared):
+    w = _weights(6, 96, 48, True, shared, seed=41)
+    t, a = 3, 2 + shared
+    ids, route_w, g = _route(t, a, 6 + shared, seed=42)
+    ids[1:, 0] = ids[0, 0]  # one expert serving several tokens
+    h = torch.randn(t, 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    out = moe_experts(h, ids, route_w, w, config=cfg)
+    assert out.shape == (t, 96) and out.dtype == torch.bfloat16
+    assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+def test_decode_path_is_the_small_batch_default(monkeypatch):
+    monkeypatch.setattr(moe, "DECODE_MAX_ENTRIES", 4)
+    assert isinstance(moe._moe_configs(4, 4), MoEDecodeConfig)
+    assert isinstance(moe._moe_configs(5, 4), MoEConfig)
+    assert isinstance(moe._moe_configs(4, 4, nvfp4=False), MoEConfig)
+    w = _weights(4, 32, 16, True, False, seed=51)
+    ids, route_w, g = _route(3, 2, 4, seed=52)
+    h = torch.randn(3, 32, generator=g).to(torch.bfloat16).to(DEVICE)
+    grouped = moe_experts(h, ids, route_w, w)  # 6 entries: the grouped GEMMs
+    decode = moe_experts(h[:2], ids[:2], route_w[:2], w)  # 4 entries: the decode path
+    assert _rel(decode, grouped[:2]) < 5e-3  # the same function either side of the limit
+    assert _rel(grouped, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+def test_decode_path_refuses_bf16_experts():
+    w = _weights(2, 32, 16, False, False, seed=2)
+    ids, route_w, _ = _route(1, 2, 2, seed=3)
+    h = torch.ones(1, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="decode path needs NVFP4"):
+        moe_experts(h, ids, route_w, w, config=DECODE_CFGS[0])
 
 
 def test_experts_with_explicit_config():
@@ -124,7 +174,7 @@ GPU_MODELS = [(256, 2048, 512, True), (128, 2048, 768, False)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 64, 300, 2048])
+@pytest.mark.parametrize("t", [1, 8, 32, 64, 300, 2048])
 @pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
 @pytest.mark.parametrize("quant", [True, False])
 def test_fused_moe_real_shapes(t, e, d, i, shared, quant):
@@ -136,3 +186,21 @@ def test_fused_moe_real_shapes(t, e, d, i, shared, quant):
     ids_ref, _ = moe_route_ref(logits, e, 8, True, shared)
     agree = (ids.sort(1).values == ids_ref.sort(1).values).all(1).float().mean().item()
     assert agree > 0.99  # bf16 logits can tie; ties may pick either expert
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 32])
+@pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
+def test_decode_path_under_cuda_graph(t, e, d, i, shared):
+    """The engine captures decode steps: the decode path replayed from a CUDA graph on new inputs."""
+    w = _weights(e, d, i, True, shared, seed=7 * t + e)
+    g = torch.Generator().manual_seed(t)
+    h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    fused_moe(h, w, 8, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(h, w, 8, True)
+    h.copy_(torch.randn(t, d, generator=g).to(torch.bfloat16))
+    out.fill_(float("nan"))
+    graph.replay()
+    assert _rel(out, fused_moe_ref(h, w, 8, True)) < 5e-3

@@ -1,9 +1,10 @@
 """Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
 
-Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json [--kinds nvfp4,fp8,moe]`);
-the winners go by hand into `_nvfp4_gemm_configs` / `_fp8_gemm_configs` / `_moe_configs`. Logs one
-line per (kernel, shape, M) with the best config next to the current table's choice (and, for the
-linears, cuBLAS bf16 on the same shape).
+Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds nvfp4,fp8,moe,moe_decode`);
+the winners go by hand into `_nvfp4_gemm_configs` / `_fp8_gemm_configs` / `_moe_configs` (and
+`DECODE_MAX_ENTRIES`, from where the decode path stops beating the grouped GEMMs). Logs one line per
+(kernel, shape, M) with the best config next to the current table's choice (and, for the linears,
+cuBLAS bf16 on the same shape; for the MoE decode path, the grouped GEMMs at the same T).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from batchinfer.bench.kernel_cases_gemm import _weights, moe_layer
 from batchinfer.bench.kernels import bench_models, rotating_sets, time_per_call
 from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm
-from batchinfer.kernels.moe import MoEConfig, _moe_configs, moe_experts, moe_route
+from batchinfer.kernels.moe import MoEConfig, MoEDecodeConfig, _moe_configs, moe_experts, moe_route
 from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
 
 log = logging.getLogger(__name__)
@@ -76,18 +77,41 @@ MOE_TILES = [
 ]
 
 
-def tune_moe(model: str, t: int, dev: torch.device) -> dict:
-    """Gate_up tiles with the table's down tiles, then down tiles with the best gate_up, per BLOCK_M."""
+MOE_DECODE_TOKENS = [1, 8, 16, 32, 64]
+# (BLOCK_N, BLOCK_G, num_warps, num_stages) of the decode path's kernels.
+MOE_DECODE_TILES = [
+    (16, 32, 4, 3),
+    (8, 32, 4, 3),
+    (32, 32, 4, 3),
+    (64, 16, 4, 3),
+    (16, 64, 4, 3),
+    (32, 16, 4, 3),
+    (16, 32, 8, 3),
+    (16, 32, 2, 3),
+    (16, 32, 4, 1),
+]
+
+
+def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, int]:
+    """(time of `moe_experts` under a config, entries, experts) on one layer with 8 rotating inputs."""
     cfg = bench_models()[model]
     w = moe_layer(cfg, dev)
     hs = [torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for _ in range(8)]
     shared = cfg.shared_expert_intermediate_size > 0
     routes = [moe_route(h @ w.router.t(), cfg.num_experts, cfg.num_experts_per_tok, True, shared) for h in hs]
-    table = _moe_configs(routes[0][0].numel(), w.w13.shape[0])
 
-    def run(c: MoEConfig) -> float:
+    def run(c: MoEConfig | MoEDecodeConfig) -> float:
         return time_per_call(lambda i: moe_experts(hs[i], *routes[i], w, config=c), len(hs), budget_s=0.05)
 
+    return run, routes[0][0].numel(), w.w13.shape[0]
+
+
+def tune_moe(model: str, t: int, dev: torch.device) -> dict:
+    """Gate_up tiles with the table's down tiles, then down tiles with the best gate_up, per BLOCK_M."""
+    run, numel, experts = _moe_timer(model, t, dev)
+    table = _moe_configs(numel, experts)
+    if not isinstance(table, MoEConfig):  # the decode path's T: tune the grouped GEMMs from their first guess
+        table = MoEConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
     timings = {table: run(table)}
     for bm in (16, 32, 64, 128):
         best = table
@@ -100,11 +124,52 @@ def tune_moe(model: str, t: int, dev: torch.device) -> dict:
             timings[c] = run(c)
     best = min(timings, key=timings.get)
     return {
+        "kind": "moe",
         "model": model,
         "t": t,
         "best": dataclasses.astuple(best),
         "best_us": timings[best] * 1e6,
         "table_us": timings[table] * 1e6,
+    }
+
+
+def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
+    """The decode path: gate_up tiles with the first down tiles, then down tiles with the best gate_up,
+    then gate_up grouped by expert in blocks of 1, 2, 4 entries; beside it the grouped GEMMs under
+    their table config at the same T (where DECODE_MAX_ENTRIES goes)."""
+    timer, numel, experts = _moe_timer(model, t, dev)
+
+    def run(c: MoEConfig | MoEDecodeConfig) -> float:
+        try:
+            return timer(c)
+        except Exception as e:  # a config that does not fit (registers, shared memory) is skipped
+            log.warning("%s: %s", c, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+            return float("inf")
+
+    first = MoEDecodeConfig(MOE_DECODE_TILES[0], MOE_DECODE_TILES[0])
+    timings = {}
+    for tiles in MOE_DECODE_TILES:
+        timings[MoEDecodeConfig(tiles, first.down)] = run(MoEDecodeConfig(tiles, first.down))
+    gate_up = min(timings, key=timings.get).gate_up
+    for tiles in MOE_DECODE_TILES:
+        c = MoEDecodeConfig(gate_up, tiles)
+        timings[c] = timings[c] if c in timings else run(c)
+    best = min(timings, key=timings.get)
+    for rows in (1, 2, 4):  # entries grouped by expert, each tile decoded once per block of `rows`
+        c = dataclasses.replace(best, rows=rows)
+        timings[c] = run(c)
+    best = min(timings, key=timings.get)
+    grouped = _moe_configs(numel, experts, nvfp4=False)  # the grouped table's choice at this size
+    return {
+        "kind": "moe_decode",
+        "model": model,
+        "t": t,
+        "entries": numel,
+        "best": dataclasses.astuple(best),
+        "best_us": timings[best] * 1e6,
+        "grouped": dataclasses.astuple(grouped),
+        "grouped_us": run(grouped) * 1e6,
+        "timings": [[dataclasses.astuple(c), v * 1e6] for c, v in timings.items()],
     }
 
 
@@ -118,19 +183,21 @@ def main() -> None:
     dev = torch.device("cuda")
     results = []
     for kind in args.kinds.split(","):
-        if kind == "moe":
+        if kind in ("moe", "moe_decode"):
+            tune, tokens = (tune_moe, MOE_TOKENS) if kind == "moe" else (tune_moe_decode, MOE_DECODE_TOKENS)
             for model in bench_models():
-                for t in MOE_TOKENS:
-                    r = tune_moe(model, t, dev)
+                for t in tokens:
+                    r = tune(model, t, dev)
+                    other = (
+                        f"grouped {r['grouped_us']:.1f} us"
+                        if kind == "moe_decode"
+                        else f"table {r['table_us']:.1f} us"
+                    )
                     log.info(
-                        "moe %s T=%d: best %s %.1f us; table %.1f us",
-                        model,
-                        t,
-                        r["best"],
-                        r["best_us"],
-                        r["table_us"],
+                        "%s %s T=%d: best %s %.1f us; %s", kind, model, t, r["best"], r["best_us"], other
                     )
                     results.append(r)
+                    _dump(args.out, results)
             continue
         gemm, table = (nvfp4_gemm, _nvfp4_gemm_configs) if kind == "nvfp4" else (fp8_gemm, _fp8_gemm_configs)
         for n, k in SHAPES[: args.shapes]:
@@ -152,10 +219,15 @@ def main() -> None:
                     r["cublas_us"],
                 )
                 results.append(r)
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
+                _dump(args.out, results)
             del ws, wb
             torch.cuda.empty_cache()
+
+
+def _dump(path: str, results: list[dict]) -> None:
+    """Rewritten after every point, so a run cut short keeps what it measured."""
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
