@@ -59,7 +59,9 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
 
 @bench.command("run")
 @click.option(
-    "--workload", required=True, help="LLM workload of workloads.json: single, conc32, offline, extract."
+    "--workload",
+    required=True,
+    help="LLM workload(s) of workloads.json, comma-separated: single, conc32, offline, extract.",
 )
 @click.option(
     "--model", "model_path", type=click.Path(exists=True, file_okay=False), help="Checkpoint folder."
@@ -112,6 +114,12 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     help="Workloads file [default: the copy shipped with batchinfer].",
 )
 @click.option(
+    "--breakdown",
+    "breakdown_batch",
+    type=int,
+    help="Fast engine: profile one decode step at this batch and one prefill pass, per kernel.",
+)
+@click.option(
     "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
 )
 def run(
@@ -132,12 +140,14 @@ def run(
     peer: str | None,
     peer_max_requests: int,
     workloads_file: str | None,
+    breakdown_batch: int | None,
     json_out: str | None,
 ) -> None:
-    """Run a fixed workload end to end (greedy, exact output lengths, all requests at once) and report
-    output/total tok/s, TTFT, decode tok/s, wall time, peak memory and batch sizes. Every run
-    teacher-forces a sample of its outputs through the fp32 reference (the accuracy lock); a run that
-    fails it exits non-zero and records no figure."""
+    """Run fixed workloads end to end (greedy, exact output lengths, all requests at once) and report
+    output/total tok/s, TTFT, decode tok/s, wall time, peak memory and batch sizes; `--workload
+    single,conc32` runs several on one model load. Every run teacher-forces a sample of its outputs
+    through the fp32 reference (the accuracy lock), and the fast engine first checks its teacher-forced
+    logits against it (kernel exactness); a run that fails either exits non-zero and records no figure."""
     if (model_path is None) == (preset is None):
         raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
     if preset is not None and not random_weights:
@@ -148,13 +158,16 @@ def run(
         raise click.UsageError(f"--lock-sample must be >= 16, got {lock_sample}")
     import torch
 
+    from batchinfer.bench.accuracy_lock import AccuracyLockError
     from batchinfer.bench.e2e import FastTokenEngine, ReferenceTokenEngine
     from batchinfer.bench.workload_run import build_model, run_benchmark
     from batchinfer.bench.workloads import load_workloads, workload_requests
     from batchinfer.engine.loader import DTYPES, resolve_device
 
     doc = load_workloads(workloads_file)
-    if workload not in doc["llm"]:
+    names = [w.strip() for w in workload.split(",") if w.strip()]
+    unknown = [w for w in names if w not in doc["llm"]]
+    if unknown or not names:
         raise click.BadParameter(
             f"{workload!r}; the workloads file has {', '.join(doc['llm'])}", param_hint="--workload"
         )
@@ -167,33 +180,66 @@ def run(
         torch_dtype = torch.bfloat16
     bm = build_model(model_path=model_path, preset=preset, quant=quant, device=dev, dtype=torch_dtype)
     shrink = dict(vocab_size=bm.config.vocab_size, max_in=max_in, max_out=max_out, workloads=doc)
-    requests = workload_requests(workload, max_requests=max_requests, **shrink)
-    peer_engine = peer_requests = None
-    if peer == "hf":
-        from batchinfer.bench.hf_peer import HfPeer
-
-        peer_requests = workload_requests(
-            workload, max_requests=min(peer_max_requests, max_requests or 1 << 62), **shrink
-        )
-
-        def peer_engine() -> HfPeer:
-            return HfPeer(bm.config, bm.raw, bm.weights, dev, torch_dtype)
-
+    exactness = None
     if engine_name == "fast":
+        from batchinfer.bench.exactness import engine_exactness, exactness_sequences
         from batchinfer.engine.fast import FastGenerator
         from batchinfer.engine.kernel_model import KernelModel
 
-        engine = FastTokenEngine(FastGenerator(KernelModel(bm.config, bm.weights), max_slots=max_slots))
+        kernel_model = KernelModel(bm.config, bm.weights)
+        exactness = engine_exactness(kernel_model, bm.reference, exactness_sequences(bm.config.vocab_size))
+        click.echo(format_exactness(exactness.as_dict()))
+        if not exactness.passed:
+            raise AccuracyLockError(
+                "kernel exactness failed (limits in batchinfer/bench/exactness.py); no figure recorded"
+            )
+        engine = FastTokenEngine(FastGenerator(kernel_model, max_slots=max_slots))
     else:
         engine = ReferenceTokenEngine(bm.model, max_batch_size)
-    result = run_benchmark(
-        engine, bm, requests, dev, lock_sample=lock_sample, peer=peer_engine, peer_requests=peer_requests
+    results = []
+    for name in names:
+        requests = workload_requests(name, max_requests=max_requests, **shrink)
+        peer_engine = peer_requests = None
+        if peer == "hf":
+            from batchinfer.bench.hf_peer import HfPeer
+
+            peer_requests = workload_requests(
+                name, max_requests=min(peer_max_requests, max_requests or 1 << 62), **shrink
+            )
+
+            def peer_engine() -> HfPeer:
+                return HfPeer(bm.config, bm.raw, bm.weights, dev, torch_dtype)
+
+        result = run_benchmark(
+            engine, bm, requests, dev, lock_sample=lock_sample, peer=peer_engine, peer_requests=peer_requests
+        )
+        if exactness is not None:
+            result["kernel_exactness"] = exactness.as_dict()
+        for line in format_result(result):
+            click.echo(line)
+        results.append(result)
+        if json_out:  # rewritten after every workload, so a later failure loses nothing
+            with open(json_out, "w") as f:
+                json.dump(results[0] if len(names) == 1 else results, f, indent=1)
+    if breakdown_batch and engine_name == "fast":
+        from batchinfer.bench.breakdown import breakdown, format_breakdown
+
+        engine.generator.release()
+        prompt_len = max(len(p) for p in requests.prompts)
+        doc_b = breakdown(kernel_model, breakdown_batch, prompt_len, max(1, 8192 // prompt_len), prompt_len)
+        for line in format_breakdown(doc_b):
+            click.echo(line)
+        if json_out:
+            with open(json_out, "w") as f:
+                json.dump({"runs": results, "breakdown": doc_b}, f, indent=1)
+
+
+def format_exactness(e: dict) -> str:
+    return (
+        f"kernel exactness ({e['sequences']} sequences, {e['tokens']} tokens): prefill rel L2 "
+        f"{e['prefill_rel_l2']:.2e}, top-1 {e['prefill_top1']:.4f}; decode ({e['decode_positions']} steps) "
+        f"rel L2 {e['decode_rel_l2']:.2e}, top-1 {e['decode_top1']:.4f}; {'PASS' if e['passed'] else 'FAIL'}"
     )
-    for line in format_result(result):
-        click.echo(line)
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=1)
 
 
 def format_result(result: dict) -> list[str]:
@@ -223,115 +269,6 @@ def format_result(result: dict) -> list[str]:
             f"worst gap {lock['max_gap_std']:.3f} std (tol {lock['tol_std']})"
         )
     return lines
-
-
-@bench.command("images")
-@click.option("--workload", required=True, help="Image workload of workloads.json: images-1p, images-4p.")
-@click.option(
-    "--model", "model_path", type=click.Path(exists=True, dir_okay=False), help="sam3.pt or .safetensors."
-)
-@click.option("--preset", type=click.Choice(["sam3", "tiny-sam3"]), help="Random weights at these shapes.")
-@click.option("--random", "random_weights", is_flag=True, help="Draw --preset's weights in memory.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the --random weights.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option(
-    "--dtype", type=click.Choice(["bf16", "fp32"]), help="Our fast path [default: bf16 on GPU, fp32 on CPU]."
-)
-@click.option("--batch-size", default=16, show_default=True, type=int, help="Images per model call.")
-@click.option(
-    "--score-threshold", default=0.5, show_default=True, type=float, help="Instances kept (job default)."
-)
-@click.option("--max-images", type=int, help="Run only the first N images (recorded deviation).")
-@click.option(
-    "--lock-images", default=4, show_default=True, type=int, help="Images the accuracy lock and parity check."
-)
-@click.option("--peer", type=click.Choice(["meta"]), help="Also run Meta's SAM 3 on the same images.")
-@click.option(
-    "--peer-path",
-    default=".peer",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder holding a copy of Meta's sam3/ package (never part of batchinfer).",
-)
-@click.option("--peer-images", type=int, help="Cap of the images the peer runs [default: all].")
-@click.option(
-    "--workloads",
-    "workloads_file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Workloads file [default: the copy shipped with batchinfer].",
-)
-@click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
-)
-def images(
-    workload: str,
-    model_path: str | None,
-    preset: str | None,
-    random_weights: bool,
-    seed: int,
-    device: str,
-    dtype: str | None,
-    batch_size: int,
-    score_threshold: float,
-    max_images: int | None,
-    lock_images: int,
-    peer: str | None,
-    peer_path: str,
-    peer_images: int | None,
-    workloads_file: str | None,
-    json_out: str | None,
-) -> None:
-    """Run a SAM 3 image workload end to end (PNG bytes decoded, model, masks to COCO RLE, Parquet) and
-    report images/s, pairs/s, wall time and peak memory, after checking the fast path against the fp32
-    reference on a sample of the images (the accuracy lock: a failing lock exits non-zero and records
-    no figure). With --peer meta, Meta's implementation runs the same images with the same weights."""
-    if (model_path is None) == (preset is None):
-        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
-    if preset is not None and not random_weights:
-        raise click.UsageError("--preset draws random weights; say so with --random")
-    if batch_size < 1:
-        raise click.UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    if not 0 <= score_threshold < 1:
-        raise click.UsageError(f"--score-threshold must be in [0, 1), got {score_threshold}")
-    import torch
-
-    from batchinfer.bench.images import build_models, format_result, image_workload, run_images_benchmark
-    from batchinfer.bench.workloads import load_workloads
-    from batchinfer.engine.loader import resolve_device
-    from batchinfer.sam3.checkpoint import load_sam3_state_dict, random_sam3_state_dict
-    from batchinfer.sam3.config import Sam3Config
-
-    work = image_workload(workload, max_images=max_images, workloads=load_workloads(workloads_file))
-    dev = resolve_device(device)
-    run_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
-        dtype or ("fp32" if dev.type == "cpu" else "bf16")
-    ]
-    if model_path is not None:
-        state, config = load_sam3_state_dict(model_path)
-        info = {"model": model_path}
-    else:
-        config = Sam3Config.real() if preset == "sam3" else Sam3Config.tiny()
-        state = {k.removeprefix("detector."): v for k, v in random_sam3_state_dict(config, seed).items()}
-        info = {"model": f"preset {preset} (random weights, seed {seed})"}
-    model, reference = build_models(state, config, dev, run_dtype)
-    meta = None
-    if peer == "meta":
-        from batchinfer.bench.meta_sam3_peer import MetaSam3Peer
-
-        def meta() -> MetaSam3Peer:
-            return MetaSam3Peer(peer_path, state, dev)
-
-    result = run_images_benchmark(
-        model, reference, work, dev, threshold=score_threshold, batch_size=batch_size,
-        lock_images=lock_images, peer=meta, peer_images=peer_images, info=info,
-    )  # fmt: skip
-    for line in format_result(result):
-        click.echo(line)
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=1)
-    if result.get("peer_error"):
-        raise click.ClickException(f"the Meta peer failed (our figures above stand): {result['peer_error']}")
 
 
 @bench.command("images")

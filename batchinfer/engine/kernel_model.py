@@ -200,10 +200,11 @@ class KernelModel:
         cu_seqlens: torch.Tensor,
         slots: torch.Tensor,
         max_seqlen: int,
+        all_logits: bool = False,
     ) -> torch.Tensor:
         """Whole prompts packed: `ids`, `positions` (int32), `token_slots` (int64) `[T]`; `cu_seqlens`
         int32 `[N + 1]`, `slots` int32 `[N]`. Fills the slots' state; returns bf16 logits `[N, V]` of each
-        prompt's last token."""
+        prompt's last token, or with `all_logits` those of every token `[T, V]` (teacher forcing)."""
         c = self.config
         x, residual = embedding(ids, self.embed), None
         for i, layer in enumerate(self.layers):
@@ -218,6 +219,8 @@ class KernelModel:
                 h = self._deltanet(h, layer.mixer, state, i, slots, cu_seqlens, max_seqlen)
             h, residual = add_rmsnorm(h, residual, layer.post_norm, c.rms_norm_eps, c.one_plus_norm)
             x = fused_moe(h, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
+        if all_logits:
+            return add_rmsnorm(x, residual, self.norm, c.rms_norm_eps, c.one_plus_norm)[0] @ self.lm_head.t()
         last = cu_seqlens[1:].long() - 1  # each prompt's last token
         h, _ = add_rmsnorm(
             x[last].contiguous(), residual[last].contiguous(), self.norm, c.rms_norm_eps, c.one_plus_norm

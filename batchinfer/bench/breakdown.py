@@ -1,0 +1,108 @@
+"""Where the GPU engine's time goes: per-kernel device time of one decode step and one prefill pass.
+
+Runs `KernelModel.decode` for `batch` rows (eager, the same kernels the CUDA graph replays) and
+`KernelModel.prefill` for `prompts` prompts of `prompt_len` tokens under the PyTorch profiler, and sums
+device time per kernel name into groups a reader can act on (MoE, attention, DeltaNet, GEMM, norms...).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from batchinfer.engine.kernel_model import KernelModel
+
+# Kernel-name patterns -> group, first match wins (Triton kernels keep their Python names).
+GROUPS = (
+    ("moe route + align", r"moe_route|moe_align|_align"),
+    ("moe experts", r"moe"),
+    ("attention", r"attn|attention|decode_combine"),
+    ("q/k norm + rope", r"qk_norm_rope"),
+    ("deltanet conv", r"conv1d"),
+    ("deltanet rule", r"delta_rule|chunk_prep|chunk_state"),
+    ("gated rmsnorm", r"gated_rmsnorm"),
+    ("add + rmsnorm", r"rmsnorm"),
+    ("embedding", r"embedding"),
+    ("sampling", r"argmax|partial_kernel|init_kernel|_sample"),
+    ("gemm (cuBLAS)", r"gemm|sm90_xmma|cutlass|nvjet|cublas|matmul"),
+    ("kv cache write", r"index_put|scatter|indexing"),
+)
+
+
+def _group(name: str) -> str:
+    for group, pattern in GROUPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return group
+    return "other"
+
+
+def _profile(fn, repeats: int) -> dict[str, Any]:
+    fn()  # compile and warm up outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        us = evt.self_device_time_total / repeats
+        if us > 0:
+            per_kernel[evt.key] += us
+    groups: dict[str, float] = defaultdict(float)
+    for name, us in per_kernel.items():
+        groups[_group(name)] += us
+    total = sum(groups.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "total_us": total,
+        "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"kernel": k[:120], "us": v} for k, v in top],
+    }
+
+
+@torch.inference_mode()
+def breakdown(
+    model: KernelModel, batch: int, context: int, prompts: int, prompt_len: int, repeats: int = 5
+) -> dict[str, Any]:
+    """Per-group device microseconds of one decode step (`batch` rows at position `context`) and of one
+    prefill pass (`prompts` x `prompt_len` tokens); random token ids."""
+    if model.device.type != "cuda":
+        raise ValueError("the per-kernel breakdown needs a CUDA device (it reads CUDA profiler events)")
+    dev, vocab = model.device, model.config.vocab_size
+    slots = max(batch, prompts)
+    state = model.new_state(slots, max(context, prompt_len) + 1)
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(10, vocab, (batch,), device=dev, generator=g)
+    pos = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    rows = torch.arange(batch, dtype=torch.int32, device=dev)
+    decode = _profile(lambda: model.decode(state, ids, pos, rows), repeats)
+
+    p_ids = torch.randint(10, vocab, (prompts * prompt_len,), device=dev, generator=g)
+    p_pos = torch.arange(prompt_len, dtype=torch.int32, device=dev).repeat(prompts)
+    p_slots = torch.arange(prompts, dtype=torch.int32, device=dev)
+    token_slots = p_slots.long().repeat_interleave(prompt_len)
+    cu = torch.arange(0, prompts + 1, dtype=torch.int32, device=dev) * prompt_len
+    prefill = _profile(lambda: model.prefill(state, p_ids, p_pos, token_slots, cu, p_slots, prompt_len), 2)
+    return {
+        "decode_step": {"batch": batch, "context": context, **decode},
+        "prefill_pass": {"prompts": prompts, "prompt_len": prompt_len, **prefill},
+    }
+
+
+def format_breakdown(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, what in (("decode_step", "decode step"), ("prefill_pass", "prefill pass")):
+        d = doc[key]
+        shape = (
+            f"batch {d['batch']} at {d['context']}"
+            if key == "decode_step"
+            else (f"{d['prompts']} x {d['prompt_len']} tokens")
+        )
+        lines.append(f"{what} ({shape}): {d['total_us']:.0f} us of device time")
+        for group, us in d["groups"].items():
+            lines.append(f"  {group:<20} {us:9.1f} us  {100 * us / d['total_us']:5.1f}%")
+    return lines
