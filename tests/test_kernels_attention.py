@@ -11,6 +11,7 @@ from batchinfer.kernels.attention import (
 )
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
 from kernel_checks import DEV, rel_err
+from test_kernels_gdn import poison_empty
 
 # bf16 on the GPU; fp16 in the interpreter, whose tl.dot mis-reads bf16 operands (Triton 3.9 numpy backend).
 DT = torch.bfloat16 if DEV == "cuda" else torch.float16
@@ -20,8 +21,9 @@ def rnd(*shape, scale=1.0):
     return (torch.randn(*shape) * scale).to(DT).to(DEV)
 
 
-@pytest.mark.parametrize("H,Hkv,Dh,gated", [(4, 2, 64, True), (4, 1, 32, False)])
-def test_prefill_attention(H, Hkv, Dh, gated):
+@pytest.mark.parametrize("H,Hkv,Dh,gated", [(4, 2, 64, True), (4, 1, 32, False)])  # (4, 2, 64, True): demo
+def test_prefill_attention(monkeypatch, H, Hkv, Dh, gated):
+    poison_empty(monkeypatch)
     lens = [1, 37, 16]
     cu = torch.tensor([0, 1, 38, 54], dtype=torch.int32, device=DEV)
     T = sum(lens)
@@ -43,7 +45,8 @@ def _cache(slots, Hkv, max_len, Dh):
 
 
 @pytest.mark.parametrize("H,Hkv,Dh,gated,max_seqlen", [(4, 2, 64, True, None), (8, 1, 32, False, 50)])
-def test_decode_attention(H, Hkv, Dh, gated, max_seqlen):
+def test_decode_attention(monkeypatch, H, Hkv, Dh, gated, max_seqlen):
+    poison_empty(monkeypatch)
     B, slots, max_len = 3, 5, 64
     kc, vc = _cache(slots, Hkv, max_len, Dh)
     slot_ids = torch.tensor([4, 0, 2], device=DEV)
@@ -111,12 +114,13 @@ def test_real_shapes_gpu(H, Hkv, Dh, gated, rot, one_plus):
     assert rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("Dh,gated", [(256, True), (128, False)])
-def test_production_tiles(monkeypatch, Dh, gated):
+@pytest.mark.parametrize("Dh,gated,Hkv", [(256, True, 1), (128, False, 1), (64, True, 2)])  # 64: demo model
+def test_production_tiles(monkeypatch, Dh, gated, Hkv):
     """The H200 tile configs (not the small interpreter ones) on shapes that cross their tile edges."""
     monkeypatch.setattr(attention, "_interpreted", lambda: False)
+    poison_empty(monkeypatch)
     prefill_cfg, decode_cfg = attention._prefill_configs(Dh), attention._decode_configs(Dh)
-    H, Hkv = 4, 1
+    H = 4
     lens = [150, 3]
     cu = torch.tensor([0, 150, 153], dtype=torch.int32, device=DEV)
     qg = rnd(153, H, 2 * Dh)

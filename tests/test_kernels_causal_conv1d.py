@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from batchinfer.kernels import causal_conv1d as conv
 from batchinfer.kernels.causal_conv1d import (
     causal_conv1d,
     causal_conv1d_ref,
@@ -9,6 +10,7 @@ from batchinfer.kernels.causal_conv1d import (
     causal_conv1d_update_ref,
 )
 from kernel_checks import DEV, rel_err
+from test_kernels_gdn import poison_empty
 
 BF16 = torch.bfloat16
 
@@ -17,8 +19,9 @@ def rnd(*shape, scale=1.0, dtype=BF16):
     return (torch.randn(*shape) * scale).to(dtype).to(DEV)
 
 
-@pytest.mark.parametrize("C,K", [(80, 4), (64, 2)])
-def test_causal_conv1d_prefill(C, K):
+@pytest.mark.parametrize("C,K", [(80, 4), (64, 2), (384, 4)])  # 384: the demo model's q|k|v width
+def test_causal_conv1d_prefill(monkeypatch, C, K):
+    poison_empty(monkeypatch)
     lens = [1, 2, 21]
     cu = torch.tensor([0, 1, 3, 24], dtype=torch.int32, device=DEV)
     x = rnd(24, 2 * C)[:, :C]  # a strided view, like q|k|v out of a wider projection
@@ -54,6 +57,24 @@ def test_causal_conv1d_update_padded_row():
     before = state.clone()
     out = causal_conv1d_update(rnd(2, C), rnd(C, K), state, torch.tensor([-1, -1], device=DEV))
     assert torch.equal(out.float().cpu(), torch.zeros(2, C)) and torch.equal(state, before)
+
+
+def test_production_tiles_demo_width(monkeypatch):
+    """The H200 tiles (32 x 256 prefill, 1024-wide decode) across the demo model's C = 384."""
+    monkeypatch.setattr(conv, "_interpreted", lambda: False)
+    poison_empty(monkeypatch)
+    C, K = 384, 4
+    cu = torch.tensor([0, 2, 40], dtype=torch.int32, device=DEV)
+    x, w = rnd(41, C), rnd(C, K, scale=0.5)
+    state = torch.full((3, K - 1, C), float("nan"), dtype=BF16, device=DEV)
+    slots = torch.tensor([2, 0], device=DEV)
+    out = causal_conv1d(x[:40], w, cu, 38, state, slots)
+    ref, ref_state = causal_conv1d_ref(x[:40], w, cu)
+    assert rel_err(out, ref) < 1e-2 and torch.equal(state[slots].float().cpu(), ref_state.cpu())
+    ref_out, ref_state = causal_conv1d_update_ref(x[40:], w, state, slots[:1])
+    out = causal_conv1d_update(x[40:], w, state, slots[:1])
+    assert rel_err(out, ref_out) < 1e-2 and torch.equal(state[slots].cpu(), ref_state[slots].cpu())
+    assert torch.isnan(state[1].float()).all()  # untouched slots stay untouched
 
 
 @pytest.mark.gpu

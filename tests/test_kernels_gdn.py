@@ -20,15 +20,16 @@ def rnd(*shape, scale=1.0, dtype=BF16):
 
 
 def poison_empty(monkeypatch):
-    """Launchers allocate their outputs with torch.empty: make those start as NaN, so that an element the
-    kernel never writes fails `rel_err` instead of passing on whatever the allocator left there."""
-    empty = torch.empty
+    """Launchers allocate their outputs with torch.empty(_like): make those start as NaN, so that an element
+    the kernel never writes fails `rel_err` instead of passing on whatever the allocator left there."""
+    for name in ("empty", "empty_like"):
+        alloc = getattr(torch, name)
 
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+        def nan_alloc(*args, _alloc=alloc, **kwargs):
+            t = _alloc(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    monkeypatch.setattr(torch, "empty", nan_empty)
+        monkeypatch.setattr(torch, name, nan_alloc)
 
 
 def _gdn_inputs(T, Hk, Hv, Dk, Dv):

@@ -4,6 +4,7 @@ import pytest
 import torch
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
 from kernel_checks import DEV, rel_err
+from test_kernels_gdn import poison_empty
 
 DT = torch.bfloat16
 
@@ -12,8 +13,10 @@ def rnd(*shape, scale=1.0):
     return (torch.randn(*shape) * scale).to(DT).to(DEV)
 
 
+# (4, 2, 64, 16, True): the demo model (head_dim 64, partial rotary 0.25: 8 frequencies, (1 + w) norms)
 @pytest.mark.parametrize("H,Hkv,Dh,rot,one_plus", [(4, 2, 64, 16, True), (4, 1, 32, 32, False)])
-def test_qk_norm_rope(H, Hkv, Dh, rot, one_plus):
+def test_qk_norm_rope(monkeypatch, H, Hkv, Dh, rot, one_plus):
+    poison_empty(monkeypatch)
     T = 5
     qg = rnd(T, H, 2 * Dh)  # q interleaved with its gate, as Qwen3.5's q_proj emits it
     q = qg[..., :Dh]

@@ -12,6 +12,7 @@ from batchinfer.kernels.small_ops import (
     silu_mul_ref,
 )
 from kernel_checks import DEV, rel_err
+from test_kernels_gdn import poison_empty
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
@@ -20,8 +21,9 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("one_plus", [True, False])
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("T,D", [(3, 96), (5, 256)])
-def test_add_rmsnorm(T, D, one_plus, with_residual):
+@pytest.mark.parametrize("T,D", [(3, 96), (5, 256), (4, 192)])  # 192: the demo model's hidden size
+def test_add_rmsnorm(monkeypatch, T, D, one_plus, with_residual):
+    poison_empty(monkeypatch)
     g = torch.Generator().manual_seed(T * D)
     x = torch.randn(T, D, generator=g).to(torch.bfloat16).to(DEV)
     res = torch.randn(T, D, generator=g).to(torch.bfloat16).to(DEV) if with_residual else None
@@ -46,8 +48,9 @@ def test_add_rmsnorm_rejects_bad_weight():
         rmsnorm(torch.randn(2, 64, device=DEV), torch.ones(32, device=DEV), 1e-6, False)
 
 
-@pytest.mark.parametrize("T,I", [(3, 40), (4, 1500)])
-def test_silu_mul(T, I):
+@pytest.mark.parametrize("T,I", [(3, 40), (4, 1500), (2, 192)])
+def test_silu_mul(monkeypatch, T, I):
+    poison_empty(monkeypatch)
     x = torch.randn(T, 2 * I).to(torch.bfloat16).to(DEV)
     assert rel_err(silu_mul(x), silu_mul_ref(x)) < 1e-2
 
