@@ -102,9 +102,11 @@ def test_gated_rmsnorm(monkeypatch, D):
 
 
 @pytest.mark.gpu
-def test_real_shapes_gpu():
-    """Qwen3.5 shapes: conv_dim 8192, K 4, Hk 16, Hv 32, Dk = Dv = 128; prefill then decode steps."""
-    Hk, Hv, D, C, K = 16, 32, 128, 8192, 4
+@pytest.mark.parametrize("Hk,Hv,D", [(16, 32, 128), (2, 4, 48)])  # Qwen3.5, the demo model (padded heads)
+def test_real_shapes_gpu(monkeypatch, Hk, Hv, D):
+    """conv_dim 2 Hk D + Hv D (8192 for Qwen3.5), K 4, Dk = Dv = D; prefill then decode steps."""
+    poison_empty(monkeypatch)
+    C, K = 2 * Hk * D + Hv * D, 4
     lens = [700, 1, 300]
     cu = torch.tensor([0, 700, 701, 1001], dtype=torch.int32, device=DEV)
     T = 1001

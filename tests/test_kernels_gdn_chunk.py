@@ -52,11 +52,13 @@ def test_chunk_agrees_with_recurrent_kernel():
 
 
 @pytest.mark.gpu
-def test_real_shapes_gpu():
+@pytest.mark.parametrize("Hk,Hv,D", [(16, 32, 128), (2, 4, 48)])  # Qwen3.5, the demo model (padded heads)
+def test_real_shapes_gpu(monkeypatch, Hk, Hv, D):
+    poison_empty(monkeypatch)
     lens = [1000, 1, 300, 64]
     cu = torch.tensor([0, 1000, 1001, 1301, 1365], dtype=torch.int32, device=DEV)
-    q, k, v, a, b, A_log, dt_bias = _inputs(1365, 16, 32, 128, slow=True)
-    state = torch.empty(len(lens), 32, 128, 128, device=DEV)
+    q, k, v, a, b, A_log, dt_bias = _inputs(1365, Hk, Hv, D, slow_decay=True)
+    state = torch.full((len(lens), Hv, D, D), float("nan"), device=DEV)
     slots = torch.arange(len(lens), device=DEV)
     out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, max(lens))
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
