@@ -88,7 +88,8 @@ def test_decode_rejects_bad_cache():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "H,Hkv,Dh,gated,rot,one_plus", [(16, 2, 256, True, 64, True), (32, 4, 128, False, 128, False)]
+    "H,Hkv,Dh,gated,rot,one_plus",
+    [(16, 2, 256, True, 64, True), (32, 4, 128, False, 128, False), (4, 2, 64, True, 16, True)],  # + demo
 )
 def test_real_shapes_gpu(H, Hkv, Dh, gated, rot, one_plus):
     lens = [1000, 3096, 17]
