@@ -177,6 +177,11 @@ def test_cli_usage_errors(tmp_path):
         ["bench", "images", "--workload", "images-1p", "--preset", "sam3", "--random", "--batch-size", "0"],
     )
     assert res.exit_code == 2 and "--batch-size must be >= 1" in res.output
+    res = CliRunner().invoke(
+        cli,
+        ["bench", "images", "--workload", "images-1p", "--preset", "sam3", "--random", "--lock-images", "1"],
+    )
+    assert res.exit_code == 2 and "--lock-images must be >= 2" in res.output
 
 
 @pytest.mark.gpu

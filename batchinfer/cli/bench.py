@@ -339,6 +339,10 @@ def images(
         raise click.UsageError(f"--batch-size must be >= 1, got {batch_size}")
     if not 0 <= score_threshold < 1:
         raise click.UsageError(f"--score-threshold must be in [0, 1), got {score_threshold}")
+    if lock_images < 2:
+        raise click.UsageError(f"--lock-images must be >= 2, got {lock_images}")
+    if peer_images is not None and peer_images < 1:
+        raise click.UsageError(f"--peer-images must be >= 1, got {peer_images}")
     import torch
 
     from batchinfer.bench.images import build_models, format_result, image_workload, run_images_benchmark
