@@ -1,5 +1,6 @@
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -191,3 +192,24 @@ def test_bf16_lock_on_cuda(state):
     w = bi.image_workload("images-4p", workloads=SMALL)
     doc = bi.run_images_benchmark(model, reference, w, torch.device("cuda"), batch_size=2, lock_images=2)
     assert doc["accuracy_lock"]["passed"] and doc["results"]["peak_memory_kind"] == "cuda allocated"
+
+
+PEER = Path(__file__).resolve().parents[1] / ".peer"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(
+    not (PEER / "sam3" / "model_builder.py").is_file(), reason="no copy of Meta's sam3 in .peer/"
+)
+def test_meta_peer_parity_on_cuda():
+    """Meta's model at real shapes (their builder has no tiny config) with our random weights."""
+    from batchinfer.bench.meta_sam3_peer import MetaSam3Peer
+
+    real = Sam3Config.real()
+    state = {k.removeprefix("detector."): v for k, v in random_sam3_state_dict(real, 1).items()}
+    model, _ = bi.build_models(state, real, torch.device("cuda"), torch.bfloat16)
+    peer = MetaSam3Peer(PEER, state, torch.device("cuda"))
+    w = bi.image_workload("images-4p", max_images=2)
+    parity = peer.parity(model, w.images, w.prompts, [0, 1])
+    assert parity["passed"] and parity["meta_instances"] == 2 * 4 * real.num_queries
