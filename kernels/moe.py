@@ -2,16 +2,23 @@
 
 Flow (no host sync; CUDA-graph safe): `logits = h @ router^T` (cuBLAS, bf16) -> `moe_route` (one
 program per token: fp32 softmax, top-k, renormalise; the shared expert rides along as slot A with
-weight sigmoid(shared_gate logit)) -> `moe_align` (entries grouped by expert, BLOCK_M-padded) ->
-gate_up GEMM (x rows gathered by token, gate and up tiles of the same columns, `silu(g) * u` in the
-fp32 epilogue, written per entry) -> down GEMM (routing weight applied in the epilogue, written per
-entry) -> a sum over each token's slots (one pass over `[T, A, D]`, fp32 accumulation).
+weight sigmoid(shared_gate logit)) -> one of two paths:
+- grouped GEMMs (bf16 experts, or many entries): `moe_align` (entries grouped by expert,
+  BLOCK_M-padded) -> gate_up GEMM (x rows gathered by token, gate and up tiles of the same columns,
+  `silu(g) * u` in the fp32 epilogue, written per entry) -> down GEMM (routing weight applied in the
+  epilogue, written per entry) -> a sum over each token's slots (one pass over `[T, A, D]`, fp32);
+- the decode path (NVFP4 experts, at most DECODE_MAX_ENTRIES entries, i.e. 1-2 rows per expert,
+  where BLOCK_M=16 tensor-core tiles would be mostly padding): no alignment; gate_up one program per
+  (entry, column tile, K split), down one per (token, column tile, slot split) with the routing
+  weights and the top-k sum fused; GEMVs on CUDA cores that decode two E2M1 codes per integer op
+  (`_e2m1_pair`) and apply each 16-code block scale once per group sum.
 Weights are stacked at load (`stack_moe_weights`): NVFP4 `uint8 [E', 2I, D/2]` (gate rows then up
 rows), e4m3 bytes `[E', 2I, D/16]`, tensor scales `[E', 2]` (gate and up keep their own), down
 `[E', D, I/2]`, `[E', D, I/16]`, `[E']`; or bf16 `[E', 2I, D]` / `[E', D, I]`. E' = E + 1 when the shared
 expert is stacked as expert E (it needs the routed experts' width, as in Qwen3.5/3.6).
-NVFP4 tiles are decoded in registers as in `nvfp4_gemm`; accumulation is fp32; intermediates are bf16
-(as in the HF model), so against `fused_moe_ref` (fp32 throughout) expect ~1e-2 relative error.
+Accumulation is fp32 and intermediates are bf16 (as in the HF model); the decode path sums a token's
+slots in fp32 and rounds once (the grouped path rounds each slot's output to bf16 first). Against
+`fused_moe_ref` (fp32 throughout) expect ~1e-2 relative error.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.nvfp4 import NVFP4Weight
-from batchinfer.kernels.nvfp4_gemm import _decode_nvfp4_tile, interpreting
+from batchinfer.kernels.nvfp4_gemm import _decode_nvfp4_tile, interpreting, split_k_locks
 
 Linear = NVFP4Weight | torch.Tensor
 
@@ -109,25 +116,31 @@ class MoEConfig:
 
 @dataclass(frozen=True, slots=True)
 class MoEDecodeConfig:
-    """Launch configuration of the NVFP4 decode path: per kernel (BLOCK_N, BLOCK_G (16-code scale groups
-    per K step), num_warps, num_stages). `rows` = 0: one gate_up program per entry, no alignment;
-    `rows` = R >= 1: entries grouped by expert (`moe_align`, BLOCK_M = R), each tile decoded once for R
-    entries. Down always runs one program per token over all its slots."""
+    """Launch configuration of the NVFP4 decode path, per kernel (BLOCK_N, BLOCK_G (16-code scale groups
+    per K step), num_warps, SPLIT). gate_up splits K and down splits the token's slots over SPLIT
+    programs; the last of them to finish sums the fp32 partials in split order (deterministic). Splits
+    turn one long chain of dependent loads per program into independent ones (a lone token otherwise
+    leaves the GPU waiting on DRAM latency, not bandwidth)."""
 
     gate_up: tuple[int, int, int, int]
     down: tuple[int, int, int, int]
-    rows: int = 0
 
 
-# Entries (tokens x slots) up to which NVFP4 experts take the decode path (H200 sweep, tune_kernels).
+# Entries (tokens x slots) up to which NVFP4 experts take the decode path: 32 tokens of 9 slots. A
+# first guess, not timed yet; `tune_kernels --kinds moe_decode` times both paths at each T.
 DECODE_MAX_ENTRIES = 288
 
 
 def _moe_configs(numel: int, experts: int, nvfp4: bool = True) -> MoEConfig | MoEDecodeConfig:
-    """By entries and average entries per expert; tuned on the H200 (tune_kernels --kinds moe)."""
+    """By entries and average entries per expert. First guesses, not yet timed on the H200: the decode
+    path's from the compiled kernels (sm_90 resource usage, no spills), the grouped GEMMs' untuned;
+    `tune_kernels --kinds moe_decode,moe` times the candidates."""
     if nvfp4 and numel <= DECODE_MAX_ENTRIES:
-        return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1)) if interpreting() else \
-            MoEDecodeConfig((16, 32, 4, 3), (16, 32, 4, 3))
+        if interpreting():
+            return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
+        if numel <= 72:  # up to 8 tokens of 9 slots: K in 4 splits (gate_up), the slots in 3 (down)
+            return MoEDecodeConfig((16, 32, 4, 4), (16, 32, 4, 3))
+        return MoEDecodeConfig((16, 32, 4, 1), (16, 32, 4, 1))
     if interpreting():
         return MoEConfig(16, (16, 32, 4, 1), (16, 32, 4, 1))
     avg = numel / experts
@@ -300,9 +313,10 @@ def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, 
 def _e2m1_pair(w, P: tl.constexpr):
     """uint32 word of 8 E2M1 codes (code j in bits 4j..4j+3) -> codes P and P + 4 as fp32 times 2^-14.
 
-    Both codes become fp16 bit patterns with one shift-and-mask per word (sign to bit 15/31, the three
-    magnitude bits to bits 9-11/25-27: E2M1 maps onto fp16's subnormal/normal boundary exactly), so the
-    integer work is ~1.5 instructions per code instead of ~5 per code for a byte at a time."""
+    Both codes become fp16 bit patterns with the same shifts and masks (sign to bit 15/31, the three
+    magnitude bits to bits 9-11/25-27: E2M1 maps onto fp16's subnormal/normal boundary exactly); the
+    sm_90 SASS (Triton 3.6) spends 15 integer instructions per word of 8 codes, and converts each
+    half to fp32 with one HADD2.F32 straight from the register half."""
     if P == 3:
         mag = (w >> 3) & 0x0E000E00
     else:
@@ -321,14 +335,6 @@ def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr):
     else:
         offs = groups * 16 + P
     return tl.load(x_row + offs, mask=mask_g, other=0.0).to(tl.float32)[None, :]
-
-
-@triton.jit
-def _x_rows_at(x_rows, valid, groups, P: tl.constexpr, mask_g):
-    """x[row, 16 g + P] for row pointers `x_rows` [R] (fp32, [R, 1, BG])."""
-    mask = valid[:, None] & mask_g[None, :]
-    x = tl.load(x_rows[:, None] + (groups * 16 + P)[None, :], mask=mask, other=0.0)
-    return x.to(tl.float32)[:, None, :]
 
 
 @triton.jit
@@ -396,156 +402,135 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,
 
 
 @triton.jit
+def _split_total(part, ws_ptrs, lock_ptr, pid_s, stride_s, mask, SPLIT: tl.constexpr):
+    """Serial split reduction (as in `nvfp4_gemm`): publish this split's fp32 partial; the program of
+    the split that arrives last gets (sum over the splits in split order, True), the others (0, False)."""
+    tl.store(ws_ptrs + pid_s * stride_s, part, mask=mask)
+    tl.debug_barrier()
+    done = tl.atomic_add(lock_ptr, 1, sem="acq_rel")
+    last = done == SPLIT - 1
+    total = tl.zeros_like(part)
+    if last:
+        for i in range(SPLIT):
+            total += tl.load(ws_ptrs + i * stride_s, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr, 0)
+    return total, last
+
+
+@triton.jit
 def _moe_decode_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr,  #
-    N, G, A_DIV,  #
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
+    NUMEL, N, G, A_DIV,  #
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
-    """out[entry] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for one entry and BLOCK_N columns n, with
-    tok = entry // A_DIV; stored K-group-major ([16, N / 16]: column n at (n % 16) * N/16 + n // 16), the
-    order in which the down kernel reads its x."""
+    """out[entry] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for one entry, BLOCK_N columns n and one
+    of SPLIT ranges of K, with tok = entry // A_DIV; stored K-group-major ([16, N / 16]: column n at
+    (n % 16) * N/16 + n // 16), the order in which the down kernel reads its x."""
     entry = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     e = tl.load(ids_ptr + entry).to(tl.int64)
     x_row = x_ptr + (entry // A_DIV).to(tl.int64) * stride_xm
     w_base = w_ptr + e * stride_we
     s_base = s_ptr + e * stride_se
+    per_split = tl.cdiv(tl.cdiv(G, SPLIT), BLOCK_G) * BLOCK_G  # whole K steps, so splits never overlap
     acc_g = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):
+    for g0 in range(pid_s * per_split, tl.minimum(G, (pid_s + 1) * per_split), BLOCK_G):
         p, q = _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
                           BLOCK_G, False, True, N)
         acc_g += p
         acc_u += q
-    gate = tl.sum(acc_g, axis=1) * (tl.load(ts_ptr + e * 2) * 4194304.0)
-    up = tl.sum(acc_u, axis=1) * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
-    act = _bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
-    cols = (rows % 16) * (N // 16) + rows // 16
-    tl.store(out_ptr + entry.to(tl.int64) * stride_om + cols, act, mask=mask_n)
-
-
-@triton.jit
-def _moe_decode_gate_up_rows_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,  #
-    NUMEL, N, G, A_DIV,  #
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr,  #
-):
-    """`_moe_decode_gate_up_kernel` for a block of ROWS entries of one expert (from `moe_align`): each
-    weight tile is decoded once and multiplied into ROWS rows ([ROWS, BLOCK_N, BLOCK_G] accumulators)."""
-    pid_b = tl.program_id(0)
-    if pid_b * ROWS >= tl.load(num_padded_ptr):
-        return
-    e = tl.load(block_expert_ptr + pid_b).to(tl.int64)
-    entry = tl.load(sorted_ptr + pid_b * ROWS + tl.arange(0, ROWS))
-    valid = entry < NUMEL
-    x_rows = x_ptr + (entry // A_DIV).to(tl.int64) * stride_xm
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rows < N
-    w_base = w_ptr + e * stride_we
-    s_base = s_ptr + e * stride_se
-    acc_g = tl.zeros((ROWS, BLOCK_N, BLOCK_G), dtype=tl.float32)
-    acc_u = tl.zeros((ROWS, BLOCK_N, BLOCK_G), dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):
-        groups = g0 + tl.arange(0, BLOCK_G)
-        mask_g = groups < G
-        x0 = _x_rows_at(x_rows, valid, groups, 0, mask_g)
-        x1 = _x_rows_at(x_rows, valid, groups, 1, mask_g)
-        x2 = _x_rows_at(x_rows, valid, groups, 2, mask_g)
-        x3 = _x_rows_at(x_rows, valid, groups, 3, mask_g)
-        x4 = _x_rows_at(x_rows, valid, groups, 4, mask_g)
-        x5 = _x_rows_at(x_rows, valid, groups, 5, mask_g)
-        x6 = _x_rows_at(x_rows, valid, groups, 6, mask_g)
-        x7 = _x_rows_at(x_rows, valid, groups, 7, mask_g)
-        x8 = _x_rows_at(x_rows, valid, groups, 8, mask_g)
-        x9 = _x_rows_at(x_rows, valid, groups, 9, mask_g)
-        x10 = _x_rows_at(x_rows, valid, groups, 10, mask_g)
-        x11 = _x_rows_at(x_rows, valid, groups, 11, mask_g)
-        x12 = _x_rows_at(x_rows, valid, groups, 12, mask_g)
-        x13 = _x_rows_at(x_rows, valid, groups, 13, mask_g)
-        x14 = _x_rows_at(x_rows, valid, groups, 14, mask_g)
-        x15 = _x_rows_at(x_rows, valid, groups, 15, mask_g)
-        mask = (mask_n[:, None] & mask_g[None, :])[None, :, :]  # [1, BN, BG]
-        offs_w = rows[:, None, None] * stride_wn + groups[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-        mask_w = mask[:, :, :, None] & (tl.arange(0, 2) < 2)[None, None, None, :]
-        offs_s = (rows[:, None] * stride_sn + groups[None, :])[None, :, :]
-        p = _group_dot(w_base + offs_w[None, :, :, :], mask_w,  #
-                       x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-        acc_g += p * _e4m3(tl.load(s_base + offs_s, mask=mask, other=0))
-        q = _group_dot(w_base + N * stride_wn + offs_w[None, :, :, :], mask_w,  #
-                       x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-        acc_u += q * _e4m3(tl.load(s_base + N * stride_sn + offs_s, mask=mask, other=0))
-    gate = tl.sum(acc_g, axis=2) * (tl.load(ts_ptr + e * 2) * 4194304.0)  # [ROWS, BN]
-    up = tl.sum(acc_u, axis=2) * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
-    act = _bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
-    cols = (rows % 16) * (N // 16) + rows // 16
-    tl.store(out_ptr + entry.to(tl.int64)[:, None] * stride_om + cols[None, :], act,
-             mask=valid[:, None] & mask_n[None, :])
+    gate_up = tl.join(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))  # [BN, 2]
+    last = True
+    if SPLIT > 1:
+        ws = ws_ptr + entry.to(tl.int64) * 2 * N + rows[:, None] + (tl.arange(0, 2) * N)[None, :]
+        gate_up, last = _split_total(gate_up, ws, lock_ptr + entry * tl.num_programs(1) + pid_n, pid_s,
+                                     NUMEL * 2 * N, mask_n[:, None], SPLIT)
+    if last:
+        gate, up = tl.split(gate_up)
+        gate = gate * (tl.load(ts_ptr + e * 2) * 4194304.0)
+        up = up * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
+        act = _bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
+        cols = (rows % 16) * (N // 16) + rows // 16
+        tl.store(out_ptr + entry.to(tl.int64) * stride_om + cols, act, mask=mask_n)
 
 
 @triton.jit
 def _moe_decode_down_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr,  #
-    N, G, A,  #
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr, ws_ptr, lock_ptr,  #
+    T, N, G, A,  #
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
-    """out[t, n] = sum over the token's A slots of route_w * (x[entry] . down_e[n]), x rows K-group-major;
-    the top-k combine and the routing weights are fused here, summed in fp32 and rounded once."""
+    """out[t, n] = sum over the token's A slots of route_w * (x[entry] . down_e[n]) (this program: one of
+    SPLIT ranges of slots), x rows K-group-major; the top-k combine and the routing weights are fused
+    here, summed in fp32 and rounded once."""
     t = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     steps = tl.cdiv(G, BLOCK_G)
+    per_split = tl.cdiv(A, SPLIT)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in range(0, A * steps):  # one flat loop over (slot, K step), so every step can be pipelined
+    # one flat loop over (slot, K step) of this split's slots
+    for i in range(pid_s * per_split * steps, tl.minimum(A, (pid_s + 1) * per_split) * steps):
         entry = t * A + i // steps
         e = tl.load(ids_ptr + entry).to(tl.int64)
         x_row = x_ptr + entry.to(tl.int64) * stride_xm
         p, _ = _gemv_step(x_row, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, mask_n,  #
                           (i % steps) * BLOCK_G, G, stride_wn, stride_sn, BLOCK_G, True, False, 0)
         out += tl.sum(p, axis=1) * (tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 4194304.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, _bf16_rne(out, INTERPRET), mask=mask_n)
+    last = True
+    if SPLIT > 1:
+        ws = ws_ptr + t.to(tl.int64) * N + rows
+        out, last = _split_total(out, ws, lock_ptr + t * tl.num_programs(1) + pid_n, pid_s, T * N, mask_n,
+                                 SPLIT)
+    if last:
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, _bf16_rne(out, INTERPRET), mask=mask_n)
 
 
 def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights,
                 cfg: MoEDecodeConfig) -> torch.Tensor:
-    """The NVFP4 decode path: no alignment, GEMVs on CUDA cores over whole 16-code groups, combine fused."""
+    """The NVFP4 decode path: no alignment; GEMVs on CUDA cores over whole 16-code groups; combine fused."""
     t, a = ids.shape
     inter_n, d = w.intermediate, w.hidden
     if inter_n % 16 or d % 16:
         raise ValueError(f"decode path: hidden {d} and intermediate {inter_n} must be multiples of 16")
     ids = ids.contiguous()
-    inter = torch.empty((t * a, inter_n), dtype=torch.bfloat16, device=h.device)  # K-group-major rows
-    out = torch.empty((t, d), dtype=torch.bfloat16, device=h.device)
+    dev = h.device
+    inter = torch.empty((t * a, inter_n), dtype=torch.bfloat16, device=dev)  # K-group-major rows
+    out = torch.empty((t, d), dtype=torch.bfloat16, device=dev)
     w13, w2 = w.w13.view(torch.int32), w.w2.view(torch.int32)  # 8 codes per word
-    block_n, block_g, warps, stages = cfg.gate_up
-    strides = (h.stride(0), w13.stride(0), w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1),
-               inter.stride(0))
-    if cfg.rows:
-        sorted_ids, block_expert, num_padded = moe_align(ids, w.w13.shape[0], cfg.rows)
-        _moe_decode_gate_up_rows_kernel[(block_expert.numel(), triton.cdiv(inter_n, block_n))](
-            h, w13, w.w13_scale, w.w13_tensor_scale, inter, sorted_ids, block_expert, num_padded,  #
-            t * a, inter_n, d // 16, a,  #
-            *strides,  #
-            ROWS=cfg.rows, BLOCK_N=block_n, BLOCK_G=block_g, INTERPRET=interpreting(),  #
-            num_warps=warps, num_stages=stages,  #
-        )
-    else:
-        _moe_decode_gate_up_kernel[(t * a, triton.cdiv(inter_n, block_n))](
-            h, w13, w.w13_scale, w.w13_tensor_scale, inter, ids,  #
-            inter_n, d // 16, a,  #
-            *strides,  #
-            BLOCK_N=block_n, BLOCK_G=block_g, INTERPRET=interpreting(), num_warps=warps, num_stages=stages,  #
-        )
-    block_n, block_g, warps, stages = cfg.down
-    _moe_decode_down_kernel[(t, triton.cdiv(d, block_n))](
-        inter, w2, w.w2_scale, w.w2_tensor_scale, out, ids, rw,  #
-        d, inter_n // 16, a,  #
+    block_n, block_g, warps, split = cfg.gate_up
+    split = min(split, triton.cdiv(d // 16, block_g))  # no split without a K step of its own
+    tiles = triton.cdiv(inter_n, block_n)
+    ws = torch.empty((split, t * a, 2, inter_n), dtype=torch.float32, device=dev) if split > 1 else out
+    locks = split_k_locks(dev, t * a * tiles) if split > 1 else out
+    _moe_decode_gate_up_kernel[(t * a, tiles, split)](
+        h, w13, w.w13_scale, w.w13_tensor_scale, inter, ids, ws, locks,  #
+        t * a, inter_n, d // 16, a,  #
+        h.stride(0), w13.stride(0), w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1),  #
+        inter.stride(0),  #
+        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, INTERPRET=interpreting(),  #
+        num_warps=warps, num_stages=1,  #
+    )
+    block_n, block_g, warps, split = cfg.down
+    split = min(split, a)  # no split without a slot of its own
+    tiles = triton.cdiv(d, block_n)
+    ws = torch.empty((split, t, d), dtype=torch.float32, device=dev) if split > 1 else out
+    locks = split_k_locks(dev, t * tiles) if split > 1 else out
+    _moe_decode_down_kernel[(t, tiles, split)](
+        inter, w2, w.w2_scale, w.w2_tensor_scale, out, ids, rw, ws, locks,  #
+        t, d, inter_n // 16, a,  #
         inter.stride(0), w2.stride(0), w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1),  #
         out.stride(0),  #
-        BLOCK_N=block_n, BLOCK_G=block_g, INTERPRET=interpreting(), num_warps=warps, num_stages=stages,  #
+        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, INTERPRET=interpreting(),  #
+        num_warps=warps, num_stages=1,  #
     )
     return out
 

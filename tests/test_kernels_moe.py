@@ -88,12 +88,12 @@ def test_experts_match_reference(quant, shared):
     assert _rel(moe_experts(h, ids, route_w, w), moe_experts_ref(h, ids, route_w, w)) < 5e-3
 
 
-# Decode path (NVFP4, few entries): tiles that do not divide N (48 rows) or the K groups (6 and 3),
-# per entry and grouped by expert.
+# Decode path (NVFP4, few entries): tiles that do not divide N (48 rows) or the K groups (6 and 3);
+# K split over programs (gate_up) and slots split over programs (down), also more splits than slots.
 DECODE_CFGS = [
     MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1)),
-    MoEDecodeConfig((32, 4, 2, 2), (64, 2, 1, 1)),
-    MoEDecodeConfig((16, 4, 4, 1), (16, 4, 4, 1), rows=2),  # entries grouped by expert, two per block
+    MoEDecodeConfig((32, 4, 2, 2), (64, 2, 1, 2)),
+    MoEDecodeConfig((16, 2, 4, 3), (16, 2, 4, 4)),
 ]
 
 
@@ -108,6 +108,8 @@ def test_decode_path_matches_reference(cfg, shared):
     out = moe_experts(h, ids, route_w, w, config=cfg)
     assert out.shape == (t, 96) and out.dtype == torch.bfloat16
     assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+    again = moe_experts(h, ids, route_w, w, config=cfg)
+    assert torch.equal(again, out)  # deterministic, and the split counters were reset
 
 
 def test_decode_path_is_the_small_batch_default(monkeypatch):

@@ -78,17 +78,28 @@ MOE_TILES = [
 
 
 MOE_DECODE_TOKENS = [1, 8, 16, 32, 64]
-# (BLOCK_N, BLOCK_G, num_warps, num_stages) of the decode path's kernels.
-MOE_DECODE_TILES = [
-    (16, 32, 4, 3),
-    (8, 32, 4, 3),
-    (32, 32, 4, 3),
-    (64, 16, 4, 3),
-    (16, 64, 4, 3),
-    (32, 16, 4, 3),
-    (16, 32, 8, 3),
-    (16, 32, 2, 3),
+# (BLOCK_N, BLOCK_G, num_warps, SPLIT) of the decode path's kernels; the first of each is the start.
+MOE_DECODE_GATE_UP = [
+    (16, 32, 4, 4),
     (16, 32, 4, 1),
+    (16, 32, 4, 2),
+    (8, 32, 4, 4),
+    (32, 32, 4, 4),
+    (16, 64, 4, 2),
+    (16, 32, 8, 4),
+    (16, 32, 2, 4),
+    (8, 64, 4, 2),
+]
+MOE_DECODE_DOWN = [
+    (16, 32, 4, 4),
+    (16, 32, 4, 1),
+    (16, 32, 4, 3),
+    (16, 32, 4, 9),
+    (8, 32, 4, 3),
+    (8, 32, 4, 9),
+    (32, 32, 4, 3),
+    (16, 32, 8, 3),
+    (16, 16, 4, 3),
 ]
 
 
@@ -134,9 +145,9 @@ def tune_moe(model: str, t: int, dev: torch.device) -> dict:
 
 
 def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
-    """The decode path: gate_up tiles with the first down tiles, then down tiles with the best gate_up,
-    then gate_up grouped by expert in blocks of 1, 2, 4 entries; beside it the grouped GEMMs under
-    their table config at the same T (where DECODE_MAX_ENTRIES goes)."""
+    """The decode path: gate_up configs with the first down config, then down configs with the best
+    gate_up; beside it the grouped GEMMs under their table config at the same T (where
+    DECODE_MAX_ENTRIES goes)."""
     timer, numel, experts = _moe_timer(model, t, dev)
 
     def run(c: MoEConfig | MoEDecodeConfig) -> float:
@@ -146,18 +157,14 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
             log.warning("%s: %s", c, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
             return float("inf")
 
-    first = MoEDecodeConfig(MOE_DECODE_TILES[0], MOE_DECODE_TILES[0])
     timings = {}
-    for tiles in MOE_DECODE_TILES:
-        timings[MoEDecodeConfig(tiles, first.down)] = run(MoEDecodeConfig(tiles, first.down))
+    for tiles in MOE_DECODE_GATE_UP:
+        c = MoEDecodeConfig(tiles, MOE_DECODE_DOWN[0])
+        timings[c] = run(c)
     gate_up = min(timings, key=timings.get).gate_up
-    for tiles in MOE_DECODE_TILES:
+    for tiles in MOE_DECODE_DOWN:
         c = MoEDecodeConfig(gate_up, tiles)
         timings[c] = timings[c] if c in timings else run(c)
-    best = min(timings, key=timings.get)
-    for rows in (1, 2, 4):  # entries grouped by expert, each tile decoded once per block of `rows`
-        c = dataclasses.replace(best, rows=rows)
-        timings[c] = run(c)
     best = min(timings, key=timings.get)
     grouped = _moe_configs(numel, experts, nvfp4=False)  # the grouped table's choice at this size
     return {
