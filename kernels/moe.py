@@ -139,8 +139,8 @@ def _moe_configs(numel: int, experts: int, nvfp4: bool = True) -> MoEConfig | Mo
         if interpreting():
             return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
         if numel <= 72:  # up to 8 tokens of 9 slots: K in 4 splits (gate_up), the slots in 3 (down)
-            return MoEDecodeConfig((16, 32, 4, 4), (16, 32, 4, 3))
-        return MoEDecodeConfig((16, 32, 4, 1), (16, 32, 4, 1))
+            return MoEDecodeConfig((16, 32, 4, 4), (32, 32, 4, 3))
+        return MoEDecodeConfig((16, 32, 4, 1), (32, 32, 4, 1))
     if interpreting():
         return MoEConfig(16, (16, 32, 4, 1), (16, 32, 4, 1))
     avg = numel / experts
@@ -341,8 +341,11 @@ def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr):
 def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
     """Per (row, group): sum over the group's 16 codes of code * x, [BN, BG] fp32 (times 2^-14).
 
-    `w_ptrs` [BN, BG, 2] point at the group's two int32 words (codes 0-7, 8-15)."""
-    wa, wb = tl.split(tl.load(w_ptrs, mask=mask, other=0).to(tl.uint32, bitcast=True))
+    `w_ptrs` [BN, BG] point at each group's 16 codes as one int64 (codes 0-7 in the low word): one
+    2-D load contiguous along the groups, which Triton lays out with the groups across the threads."""
+    w = tl.load(w_ptrs, mask=mask, other=0)
+    wa = w.to(tl.uint32)
+    wb = (w >> 32).to(tl.uint32)
     c0, c4 = _e2m1_pair(wa, 0)
     c1, c5 = _e2m1_pair(wa, 1)
     c2, c6 = _e2m1_pair(wa, 2)
@@ -386,14 +389,13 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,
     x13 = _x_at(x_row, groups, 13, G, mask_g, X_PMAJOR)
     x14 = _x_at(x_row, groups, 14, G, mask_g, X_PMAJOR)
     x15 = _x_at(x_row, groups, 15, G, mask_g, X_PMAJOR)
-    offs_w = rows[:, None, None] * stride_wn + groups[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-    mask_w = mask[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
+    offs_w = rows[:, None] * stride_wn + groups[None, :]
     offs_s = rows[:, None] * stride_sn + groups[None, :]
-    p = _group_dot(w_base + offs_w, mask_w,  #
+    p = _group_dot(w_base + offs_w, mask,  #
                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
     p = p * _e4m3(tl.load(s_base + offs_s, mask=mask, other=0))
     if TWO:
-        q = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask_w,
+        q = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask,
                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
         q = q * _e4m3(tl.load(s_base + ROW2 * stride_sn + offs_s, mask=mask, other=0))
     else:
@@ -505,7 +507,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
     dev = h.device
     inter = torch.empty((t * a, inter_n), dtype=torch.bfloat16, device=dev)  # K-group-major rows
     out = torch.empty((t, d), dtype=torch.bfloat16, device=dev)
-    w13, w2 = w.w13.view(torch.int32), w.w2.view(torch.int32)  # 8 codes per word
+    w13, w2 = w.w13.view(torch.int64), w.w2.view(torch.int64)  # one 16-code group per element
     block_n, block_g, warps, split = cfg.gate_up
     split = min(split, triton.cdiv(d // 16, block_g))  # no split without a K step of its own
     tiles = triton.cdiv(inter_n, block_n)

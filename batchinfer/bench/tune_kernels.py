@@ -91,15 +91,15 @@ MOE_DECODE_GATE_UP = [
     (8, 64, 4, 2),
 ]
 MOE_DECODE_DOWN = [
-    (16, 32, 4, 4),
-    (16, 32, 4, 1),
+    (32, 32, 4, 3),
+    (32, 32, 4, 1),
+    (32, 32, 4, 9),
     (16, 32, 4, 3),
     (16, 32, 4, 9),
-    (8, 32, 4, 3),
-    (8, 32, 4, 9),
-    (32, 32, 4, 3),
-    (16, 32, 8, 3),
-    (16, 16, 4, 3),
+    (64, 32, 4, 3),
+    (32, 32, 8, 3),
+    (32, 16, 4, 3),
+    (32, 64, 4, 3),
 ]
 
 
@@ -185,14 +185,20 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="nvfp4,fp8")
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
+    ap.add_argument("--tokens", help="MoE token counts, comma-separated [default: per kind]")
+    ap.add_argument("--models", default=",".join(bench_models()), help="MoE models, comma-separated")
     args = ap.parse_args()
+    unknown = set(args.models.split(",")) - set(bench_models())
+    if unknown:
+        ap.error(f"--models: unknown {sorted(unknown)}; expected some of {sorted(bench_models())}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dev = torch.device("cuda")
     results = []
     for kind in args.kinds.split(","):
         if kind in ("moe", "moe_decode"):
             tune, tokens = (tune_moe, MOE_TOKENS) if kind == "moe" else (tune_moe_decode, MOE_DECODE_TOKENS)
-            for model in bench_models():
+            tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else tokens
+            for model in args.models.split(","):
                 for t in tokens:
                     r = tune(model, t, dev)
                     other = (
