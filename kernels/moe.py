@@ -544,15 +544,18 @@ def moe_experts(
     w: MoEWeights,
     config: MoEConfig | MoEDecodeConfig | None = None,
 ) -> torch.Tensor:
-    """`h [T, D]` bf16 through the experts `ids [T, A']` weighted by `route_w [T, A']` -> `[T, D]` bf16.
+    """`h [T, D]` bf16 through the experts `ids [T, A']` (int32) weighted by `route_w [T, A']` -> `[T, D]`
+    bf16.
 
-    `config` overrides the table (used by the tuner)."""
+    NVFP4 experts at up to DECODE_MAX_ENTRIES entries take the decode path, others the grouped GEMMs;
+    `config` overrides the table (used by the tuner): a `MoEDecodeConfig` forces the decode path."""
     t, d = h.shape
     if h.dtype != torch.bfloat16 or d != w.hidden or h.stride(1) != 1:
         raise ValueError(f"h: expected bfloat16 [T, {w.hidden}] with unit column stride, got {h.dtype} "
                          f"{list(h.shape)}")
-    if ids.shape != route_w.shape or ids.shape[0] != t:
-        raise ValueError(f"ids {list(ids.shape)} and route_w {list(route_w.shape)} must both be [T={t}, A]")
+    if ids.shape != route_w.shape or ids.shape[0] != t or ids.dtype != torch.int32:
+        raise ValueError(f"ids {ids.dtype} {list(ids.shape)} and route_w {list(route_w.shape)}: expected "
+                         f"int32 ids, both [T={t}, A]")
     a_slots = ids.shape[1]
     numel = t * a_slots
     if numel == 0:

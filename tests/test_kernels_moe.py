@@ -169,6 +169,10 @@ def test_rejects_mixed_or_misshaped_experts():
         stack_moe_weights(w.router, [(dense, dense, dense.t())])
     with pytest.raises(ValueError, match="logits: expected \\[T, 3\\]"):
         moe_route(torch.zeros(2, 5, device=DEVICE), 2, 2, True, True)
+    h = torch.ones(1, 32, dtype=torch.bfloat16, device=DEVICE)
+    ids64 = torch.zeros(1, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="expected int32 ids"):
+        moe_experts(h, ids64, torch.ones(1, 2, device=DEVICE), w)
 
 
 # (experts, hidden, intermediate, shared) of Qwen3.5/3.6-35B-A3B and Qwen3-30B-A3B.
