@@ -27,13 +27,16 @@ def test_same_seed_same_weights_other_seed_other_weights(preset):
 def test_weight_scales_are_realistic():
     w35 = random_weights(model_config_from_hf(preset_config("tiny-qwen3.5-moe")))
     w3 = random_weights(model_config_from_hf(preset_config("tiny-qwen3-moe")))
-    for name in (
-        "embed_tokens",
-        "lm_head",
-        "layers.0.linear_attn.in_proj_qkv",
-        "layers.1.mlp.experts.3.up_proj",
-    ):
+    for name in ("lm_head", "layers.0.linear_attn.in_proj_qkv", "layers.1.mlp.experts.3.up_proj"):
         assert 0.017 < float(w35[name].float().std()) < 0.023, name
+    # GPT-2 init: unit embeddings, residual-branch outputs at 0.02 / sqrt(2 * layers) (4 layers: 0.0071)
+    assert 0.95 < float(w35["embed_tokens"].float().std()) < 1.05
+    for name in (
+        "layers.0.linear_attn.out_proj",
+        "layers.3.self_attn.o_proj",
+        "layers.1.mlp.experts.3.down_proj",
+    ):
+        assert 0.006 < float(w35[name].float().std()) < 0.0082, name
     # Qwen3.5 norms scale by (1 + w): w near 0; Qwen3-MoE norms by w: near 1; DeltaNet's gated norm near 1
     assert abs(float(w35["layers.0.input_layernorm"].float().mean())) < 0.01
     assert abs(float(w35["layers.3.self_attn.q_norm"].float().mean())) < 0.02

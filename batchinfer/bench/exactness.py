@@ -33,8 +33,10 @@ class Exactness:
     decode_rel_l2: float
     decode_top1: float
     passed: bool
+    bf16_reference_rel_l2: float | None = None  # the plain PyTorch bf16 forward vs fp32: the bf16 floor
+    bf16_reference_top1: float | None = None
 
-    def as_dict(self) -> dict[str, float | int | bool]:
+    def as_dict(self) -> dict[str, float | int | bool | None]:
         return asdict(self)
 
 
@@ -59,8 +61,10 @@ def engine_exactness(
     decode_tail: int = 16,
     max_rel_l2: float = MAX_REL_L2,
     min_top1: float = MIN_TOP1,
+    bf16_reference: QwenMoeModel | None = None,
 ) -> Exactness:
-    """Compare `model` with `reference` (fp32) on `sequences` (each longer than `decode_tail`)."""
+    """Compare `model` with `reference` (fp32) on `sequences` (each longer than `decode_tail`);
+    `bf16_reference` (the reference model in bf16), if given, is compared too, as the bf16 floor."""
     if any(len(s) <= decode_tail for s in sequences):
         raise ValueError(f"every sequence must be longer than decode_tail={decode_tail}")
     dev = model.device

@@ -5,6 +5,14 @@ shared/notes/qwen-models-and-nvfp4.md), except that the token ids follow our sma
 tokenizer and no MTP/vision weights exist. Weights are drawn on the target device (same seed and
 device -> same weights) at realistic scales, so forwards stay finite; quantized presets quantize
 one layer at a time, so the full-precision model never exists in memory at once.
+
+The init is GPT-2's: unit-variance token embeddings, linears N(0, 0.02), and the projections that
+write into the residual stream (o_proj, out_proj, every down_proj) scaled by 1 / sqrt(2 * layers).
+With plain N(0, 0.02) everywhere the residual stream is made of the blocks' outputs alone, and a
+40-layer, 256-expert random model is chaotic: top-8 routing flips on bf16 rounding and compound, so
+the bf16 PyTorch forward itself drifts 34% (relative L2, 16 layers, 64 experts) from the fp32 one and
+no bf16 engine can be checked against fp32. With this init the same comparison gives 1.3e-2 (top-1 98%) at 40
+layers and 256 experts (hidden 512; `docs/ACCURACY.md`).
 """
 
 from __future__ import annotations
@@ -150,7 +158,8 @@ def preset_config(preset: str) -> dict[str, Any]:
 def _init(
     canon: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Generator, device: str
 ) -> torch.Tensor:
-    """One fp32 weight: linears and embeddings N(0, 0.02), norms near neutral, DeltaNet params as in HF."""
+    """One fp32 weight: embeddings N(0, 1), linears N(0, 0.02) (residual-branch outputs scaled down),
+    norms near neutral, DeltaNet params as in HF."""
     rand = lambda: torch.randn(shape, generator=g, device=device)
     leaf = canon.rsplit(".", 1)[-1]
     if canon.endswith("linear_attn.norm"):
@@ -165,7 +174,19 @@ def _init(
         return torch.log(1 + 15 * torch.rand(shape, generator=g, device=device))
     if leaf == "dt_bias":
         return torch.ones(shape, device=device)
+    if leaf == "embed_tokens":
+        return rand()
+    if leaf in RESIDUAL_OUTPUTS:
+        return residual_output_std(cfg) * rand()
     return 0.02 * rand()
+
+
+RESIDUAL_OUTPUTS = ("o_proj", "out_proj", "down_proj")
+
+
+def residual_output_std(cfg: ModelConfig) -> float:
+    """GPT-2's std for projections into the residual stream: 0.02 / sqrt(2 * layers)."""
+    return 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
 
 
 def random_weights(
@@ -192,7 +213,9 @@ def random_weights(
             layer = canon.split(".mlp.experts.")[0]
             if f"{layer}.mlp.experts.0.gate_proj" not in out:
                 gate_up = (0.02 * torch.randn((e, 2 * i, d), generator=g, device=device)).to(dtype)
-                down = (0.02 * torch.randn((e, d, i), generator=g, device=device)).to(dtype)
+                down = (residual_output_std(cfg) * torch.randn((e, d, i), generator=g, device=device)).to(
+                    dtype
+                )
                 for x in range(e):
                     for name, w in (
                         ("gate_proj", gate_up[x, :i]),

@@ -187,7 +187,12 @@ def run(
         from batchinfer.engine.kernel_model import KernelModel
 
         kernel_model = KernelModel(bm.config, bm.weights)
-        exactness = engine_exactness(kernel_model, bm.reference, exactness_sequences(bm.config.vocab_size))
+        exactness = engine_exactness(
+            kernel_model,
+            bm.reference,
+            exactness_sequences(bm.config.vocab_size),
+            bf16_reference=bm.model if bm.model is not bm.reference else None,
+        )
         click.echo(format_exactness(exactness.as_dict()))
         if not exactness.passed:
             raise AccuracyLockError(
@@ -239,6 +244,12 @@ def format_exactness(e: dict) -> str:
         f"kernel exactness ({e['sequences']} sequences, {e['tokens']} tokens): prefill rel L2 "
         f"{e['prefill_rel_l2']:.2e}, top-1 {e['prefill_top1']:.4f}; decode ({e['decode_positions']} steps) "
         f"rel L2 {e['decode_rel_l2']:.2e}, top-1 {e['decode_top1']:.4f}; {'PASS' if e['passed'] else 'FAIL'}"
+        + (
+            f" (bf16 PyTorch forward: rel L2 {e['bf16_reference_rel_l2']:.2e}, "
+            f"top-1 {e['bf16_reference_top1']:.4f})"
+            if e.get("bf16_reference_rel_l2") is not None
+            else ""
+        )
     )
 
 

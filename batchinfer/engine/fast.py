@@ -128,7 +128,12 @@ class FastGenerator:
         if not self.cuda_graphs:
             return self.model.decode(*args)
         if bucket not in self._graphs:
-            self.model.decode(*args)  # compiles the kernels and sets up cuBLAS outside the capture
+            # Warm-up (kernel compilation, cuBLAS setup) outside the capture. It really runs, so it runs
+            # on the scratch slot: the rows' state must advance once, in the replay below.
+            rows = self._slot_ids[:bucket].clone()
+            self._slot_ids[:bucket] = self._slots
+            self.model.decode(*args)
+            self._slot_ids[:bucket] = rows
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
