@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # elsewhere PyPI's default (CUDA) build. Override with `make TORCH=... test`.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test test-gpu demo lint clean
+.PHONY: setup test test-gpu demo demo-images lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,17 @@ DEMO_SQL := SELECT i.task, count(*) AS rows, count_if(trim(r.text) = trim(i.answ
 demo: setup
 	$(VENV)/bin/batchinfer run examples/demo-job.toml
 	$(VENV)/bin/batchinfer query demo-output "$(DEMO_SQL)"
+
+# The image demo: the shipped SAM 3 demo model (models/demo-sam3-shapes) segments examples/shapes on
+# the CPU or GPU, resumable, then one DuckDB query sets the instances found beside the true counts.
+DEMO_IMAGES_SQL := SELECT o.id, o.prompt, count(o.instance) AS found, any_value(t.instances) AS truth, \
+	round(max(o.score), 3) AS best_score FROM latest o JOIN 'examples/shapes/truth.parquet' t USING (id, prompt) \
+	GROUP BY ALL ORDER BY ALL
+
+demo-images: setup
+	$(VENV)/bin/batchinfer segment -i examples/shapes/images.parquet -o demo-images-output \
+		--model models/demo-sam3-shapes/sam3.safetensors
+	$(VENV)/bin/batchinfer query demo-images-output "$(DEMO_IMAGES_SQL)"
 
 lint: setup
 	$(VENV)/bin/ruff check .
