@@ -4,6 +4,7 @@
 The thresholds are the shipped model's measured figures (models/demo-sam3-shapes/README.md) rounded
 down by about one point: everything here is seeded and runs in float32 on the CPU."""
 
+import argparse
 import itertools
 import json
 from pathlib import Path
@@ -128,7 +129,7 @@ def test_set_loss_prefers_the_matching_query():
 
 
 def test_training_writes_a_meta_layout_checkpoint(tmp_path):
-    args = train_sam3.argparse.Namespace(
+    args = argparse.Namespace(
         out=str(tmp_path), minutes=0.001, images_per_step=2, lr=1e-3, warmup_fraction=0.03,
         final_lr_ratio=0.05, weight_decay=0.01, clip=1.0, seed=0, threads=1, eval_images=1, log_every=1,
         save_every_minutes=5.0,
