@@ -117,7 +117,8 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     "--breakdown",
     "breakdown_batch",
     type=int,
-    help="Fast engine: profile one decode step at this batch and one prefill pass, per kernel.",
+    help="Fast engine: profile one decode step at this batch and one prefill pass (the first workload's "
+    "prompt length), per kernel, before the runs.",
 )
 @click.option(
     "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
@@ -180,7 +181,7 @@ def run(
         torch_dtype = torch.bfloat16
     bm = build_model(model_path=model_path, preset=preset, quant=quant, device=dev, dtype=torch_dtype)
     shrink = dict(vocab_size=bm.config.vocab_size, max_in=max_in, max_out=max_out, workloads=doc)
-    exactness = None
+    exactness = breakdown_doc = None
     if engine_name == "fast":
         from batchinfer.bench.exactness import engine_exactness, exactness_sequences
         from batchinfer.engine.fast import FastGenerator
@@ -194,6 +195,20 @@ def run(
             bf16_reference=bm.model if bm.model is not bm.reference else None,
         )
         click.echo(format_exactness(exactness.as_dict()))
+        if breakdown_batch:  # kernel timings, independent of the lock: measured even when it fails
+            from batchinfer.bench.breakdown import breakdown, format_breakdown
+
+            prompt_len = max(len(p) for p in workload_requests(names[0], max_requests=1, **shrink).prompts)
+            breakdown_doc = breakdown(
+                kernel_model, breakdown_batch, prompt_len, max(1, 8192 // prompt_len), prompt_len
+            )
+            for line in format_breakdown(breakdown_doc):
+                click.echo(line)
+            if json_out:
+                with open(json_out, "w") as f:
+                    json.dump(
+                        {"kernel_exactness": exactness.as_dict(), "breakdown": breakdown_doc}, f, indent=1
+                    )
         if not exactness.passed:
             raise AccuracyLockError(
                 "kernel exactness failed (limits in batchinfer/bench/exactness.py); no figure recorded"
@@ -225,18 +240,10 @@ def run(
         results.append(result)
         if json_out:  # rewritten after every workload, so a later failure loses nothing
             with open(json_out, "w") as f:
-                json.dump(results[0] if len(names) == 1 else results, f, indent=1)
-    if breakdown_batch and engine_name == "fast":
-        from batchinfer.bench.breakdown import breakdown, format_breakdown
-
-        engine.generator.release()
-        prompt_len = max(len(p) for p in requests.prompts)
-        doc_b = breakdown(kernel_model, breakdown_batch, prompt_len, max(1, 8192 // prompt_len), prompt_len)
-        for line in format_breakdown(doc_b):
-            click.echo(line)
-        if json_out:
-            with open(json_out, "w") as f:
-                json.dump({"runs": results, "breakdown": doc_b}, f, indent=1)
+                out = results[0] if len(names) == 1 else results
+                json.dump(
+                    {"runs": results, "breakdown": breakdown_doc} if breakdown_doc else out, f, indent=1
+                )
 
 
 def format_exactness(e: dict) -> str:
