@@ -24,6 +24,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels.nvfp4_gemm import interpreting
 
 _LOG2E = 1.4426950408889634
 
@@ -58,15 +59,26 @@ def _decode_configs(head_dim: int) -> dict[str, int]:
 
 
 @triton.jit
+def _dot(a, b, acc, F32_DOT: tl.constexpr):
+    """acc + a @ b; F32_DOT (interpreter only) because Triton 3.9's interpreter multiplies bf16 operands as
+    raw bits. The probabilities are still rounded to the value dtype first, as on the GPU."""
+    if F32_DOT:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen, qk_scale,
-                stride_kt, stride_vt, MASKED: tl.constexpr):
+                stride_kt, stride_vt, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
     """One K/V tile of online softmax: k_ptrs `[Dh, BLOCK_N]`, v_ptrs `[BLOCK_N, Dh]` at token n_start."""
     cols = n_start + offs_n
     if MASKED:
         k = tl.load(k_ptrs + n_start * stride_kt, mask=cols[None, :] < seqlen, other=0.0)
     else:
         k = tl.load(k_ptrs + n_start * stride_kt)
-    s = tl.dot(q, k) * qk_scale
+    s = _dot(q, k, None, F32_DOT) * qk_scale
     if MASKED:
         s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] < seqlen), s, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -77,7 +89,7 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqle
         v = tl.load(v_ptrs + n_start * stride_vt, mask=cols[:, None] < seqlen, other=0.0)
     else:
         v = tl.load(v_ptrs + n_start * stride_vt)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32_DOT)
     return acc, m_new, l_i
 
 
@@ -88,6 +100,7 @@ def _prefill_attn_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  #
     stride_gt, stride_gh, stride_ot, stride_oh,  #
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr,  #
+    F32_DOT: tl.constexpr,  #
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most causal work) blocks first
@@ -111,10 +124,10 @@ def _prefill_attn_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for n_start in range(0, m_start, BLOCK_N):  # fully visible tiles: no mask
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen,
-                                    qk_scale, stride_kt, stride_vt, False)
+                                    qk_scale, stride_kt, stride_vt, False, F32_DOT)
     for n_start in range(m_start, tl.minimum(seqlen, m_start + BLOCK_M), BLOCK_N):  # the diagonal
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen,
-                                    qk_scale, stride_kt, stride_vt, True)
+                                    qk_scale, stride_kt, stride_vt, True, F32_DOT)
     acc = acc / l_i[:, None]
     if HAS_GATE:
         g_ptrs = gate_ptr + (start + offs_m)[:, None] * stride_gt + h * stride_gh + offs_d[None, :]
@@ -131,7 +144,7 @@ def _decode_attn_kernel(
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct,  #
     stride_gb, stride_gh, stride_ob, stride_oh,  #
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,  #
-    HAS_GATE: tl.constexpr,  #
+    HAS_GATE: tl.constexpr, F32_DOT: tl.constexpr,  #
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -155,13 +168,13 @@ def _decode_attn_kernel(
     for n_start in range(lo, hi, BLOCK_N):
         n_ok = n_start + offs_n < hi
         k = tl.load(k_ptrs + n_start * stride_kct, mask=n_ok[None, :], other=0.0)
-        s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, -float("inf"))
+        s = tl.where(n_ok[None, :], _dot(q, k, None, F32_DOT) * qk_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptrs + n_start * stride_vct, mask=n_ok[:, None], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32_DOT)
         m_i = m_new
     has = l_i > 0.0  # an empty split (or a padded row) contributes nothing
     o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -236,7 +249,7 @@ def prefill_attention(
         H, H // Hkv, (scale if scale is not None else Dh**-0.5) * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM=Dh, HAS_GATE=gate is not None, **cfg,
+        HEAD_DIM=Dh, HAS_GATE=gate is not None, F32_DOT=interpreting(), **cfg,
     )
     return o
 
@@ -281,7 +294,7 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
         HEAD_DIM=Dh, BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), NUM_SPLITS=splits,
-        HAS_GATE=gate is not None, **cfg,
+        HAS_GATE=gate is not None, F32_DOT=interpreting(), **cfg,
     )
     if splits > 1:
         _decode_combine_kernel[(B, H)](

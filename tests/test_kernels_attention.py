@@ -13,15 +13,18 @@ from batchinfer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, rope
 from kernel_checks import DEV, rel_err
 from test_kernels_gdn import poison_empty
 
-# bf16 on the GPU; fp16 in the interpreter, whose tl.dot mis-reads bf16 operands (Triton 3.9 numpy backend).
-DT = torch.bfloat16 if DEV == "cuda" else torch.float16
+# bf16, the engine's dtype, in the interpreter too (where the kernels take their fp32-dot path).
+DT = torch.bfloat16
 
 
 def rnd(*shape, scale=1.0):
     return (torch.randn(*shape) * scale).to(DT).to(DEV)
 
 
-@pytest.mark.parametrize("H,Hkv,Dh,gated", [(4, 2, 64, True), (4, 1, 32, False)])  # (4, 2, 64, True): demo
+@pytest.mark.parametrize(
+    "H,Hkv,Dh,gated",
+    [(4, 2, 64, True), (8, 2, 64, True), (4, 1, 32, False)],  # (4, 2, 64, True): demo; (8, 2): GQA group 4
+)
 def test_prefill_attention(monkeypatch, H, Hkv, Dh, gated):
     poison_empty(monkeypatch)
     lens = [1, 37, 16]
@@ -44,7 +47,9 @@ def _cache(slots, Hkv, max_len, Dh):
     return rnd(slots, Hkv, max_len, Dh), rnd(slots, Hkv, max_len, Dh)
 
 
-@pytest.mark.parametrize("H,Hkv,Dh,gated,max_seqlen", [(4, 2, 64, True, None), (8, 1, 32, False, 50)])
+@pytest.mark.parametrize(
+    "H,Hkv,Dh,gated,max_seqlen", [(4, 2, 64, True, None), (8, 2, 64, True, None), (8, 1, 32, False, 50)]
+)
 def test_decode_attention(monkeypatch, H, Hkv, Dh, gated, max_seqlen):
     poison_empty(monkeypatch)
     B, slots, max_len = 3, 5, 64
