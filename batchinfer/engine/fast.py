@@ -84,8 +84,8 @@ class FastGenerator:
     # ---- capacity ----
 
     def _plan_slots(self, n: int, max_len: int) -> int:
-        if self.device.type != "cuda":
-            return min(n, 64)
+        if self.device.type != "cuda":  # the interpreter on a CPU: tests and tiny models
+            return min(n, self.max_slots, 64)
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free - MEMORY_RESERVE * total
         fit = int(usable // self.model.slot_bytes(max_len)) - 1  # one scratch slot for graph padding

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -90,6 +91,11 @@ def load_engine(
     if engine not in ("auto", "fast", "reference"):
         raise ConfigError(f"engine argument engine={engine!r}: expected auto, fast or reference")
     fast = engine == "fast" or (engine == "auto" and dev.type == "cuda")
+    if fast and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            f"engine=fast runs Triton kernels and needs a CUDA device, got device {device!r} "
+            "(engine=reference runs anywhere; TRITON_INTERPRET=1 interprets the kernels on a CPU, for tests)"
+        )
     if fast and dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
         raise ConfigError(f"the fast engine computes in bfloat16; dtype={dtype!r} needs engine=reference")
     if fast:
