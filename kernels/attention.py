@@ -24,6 +24,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import small_ops
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
 _LOG2E = 1.4426950408889634
@@ -59,10 +60,10 @@ def _decode_configs(head_dim: int) -> dict[str, int]:
 
 
 @triton.jit
-def _dot(a, b, acc, F32_DOT: tl.constexpr):
-    """acc + a @ b; F32_DOT (interpreter only) because Triton 3.9's interpreter multiplies bf16 operands as
-    raw bits. The probabilities are still rounded to the value dtype first, as on the GPU."""
-    if F32_DOT:
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b; fp32 operands under the interpreter (INTERPRET, set by the launchers), whose Triton 3.9
+    version multiplies bf16 operands as raw bits. They hold values of the input dtype already."""
+    if INTERPRET:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         acc = tl.dot(a, b, acc)
@@ -71,14 +72,14 @@ def _dot(a, b, acc, F32_DOT: tl.constexpr):
 
 @triton.jit
 def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen, qk_scale,
-                stride_kt, stride_vt, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
+                stride_kt, stride_vt, MASKED: tl.constexpr, INTERPRET: tl.constexpr):
     """One K/V tile of online softmax: k_ptrs `[Dh, BLOCK_N]`, v_ptrs `[BLOCK_N, Dh]` at token n_start."""
     cols = n_start + offs_n
     if MASKED:
         k = tl.load(k_ptrs + n_start * stride_kt, mask=cols[None, :] < seqlen, other=0.0)
     else:
         k = tl.load(k_ptrs + n_start * stride_kt)
-    s = _dot(q, k, None, F32_DOT) * qk_scale
+    s = _dot(q, k, None, INTERPRET) * qk_scale
     if MASKED:
         s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] < seqlen), s, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -89,7 +90,7 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqle
         v = tl.load(v_ptrs + n_start * stride_vt, mask=cols[:, None] < seqlen, other=0.0)
     else:
         v = tl.load(v_ptrs + n_start * stride_vt)
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32_DOT)
+    acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
     return acc, m_new, l_i
 
 
@@ -100,7 +101,7 @@ def _prefill_attn_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  #
     stride_gt, stride_gh, stride_ot, stride_oh,  #
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr,  #
-    F32_DOT: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most causal work) blocks first
@@ -124,17 +125,17 @@ def _prefill_attn_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for n_start in range(0, m_start, BLOCK_N):  # fully visible tiles: no mask
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen,
-                                    qk_scale, stride_kt, stride_vt, False, F32_DOT)
+                                    qk_scale, stride_kt, stride_vt, False, INTERPRET)
     for n_start in range(m_start, tl.minimum(seqlen, m_start + BLOCK_M), BLOCK_N):  # the diagonal
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen,
-                                    qk_scale, stride_kt, stride_vt, True, F32_DOT)
+                                    qk_scale, stride_kt, stride_vt, True, INTERPRET)
     acc = acc / l_i[:, None]
     if HAS_GATE:
         g_ptrs = gate_ptr + (start + offs_m)[:, None] * stride_gt + h * stride_gh + offs_d[None, :]
         g = tl.load(g_ptrs, mask=row_ok)
         acc = acc * tl.sigmoid(g.to(tl.float32))
     o_ptrs = o_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(o_ptrs, small_ops._to(acc, o_ptr.dtype.element_ty, INTERPRET), mask=row_ok)
 
 
 @triton.jit
@@ -144,7 +145,7 @@ def _decode_attn_kernel(
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct,  #
     stride_gb, stride_gh, stride_ob, stride_oh,  #
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,  #
-    HAS_GATE: tl.constexpr, F32_DOT: tl.constexpr,  #
+    HAS_GATE: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -168,13 +169,13 @@ def _decode_attn_kernel(
     for n_start in range(lo, hi, BLOCK_N):
         n_ok = n_start + offs_n < hi
         k = tl.load(k_ptrs + n_start * stride_kct, mask=n_ok[None, :], other=0.0)
-        s = tl.where(n_ok[None, :], _dot(q, k, None, F32_DOT) * qk_scale, -float("inf"))
+        s = tl.where(n_ok[None, :], _dot(q, k, None, INTERPRET) * qk_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptrs + n_start * stride_vct, mask=n_ok[:, None], other=0.0)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32_DOT)
+        acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
         m_i = m_new
     has = l_i > 0.0  # an empty split (or a padded row) contributes nothing
     o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -184,7 +185,7 @@ def _decode_attn_kernel(
                            mask=g_ok[:, None], other=0.0)
             o = o * tl.sigmoid(gate.to(tl.float32))
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+                 small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET), mask=g_ok[:, None])
     else:
         row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # part_* are [B, H, S(, Dh)]
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
@@ -198,6 +199,7 @@ def _decode_combine_kernel(
     H,  #
     stride_gb, stride_gh, stride_ob, stride_oh,  #
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_GATE: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -213,7 +215,8 @@ def _decode_combine_kernel(
     o = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     if HAS_GATE:
         o = o * tl.sigmoid(tl.load(gate_ptr + b * stride_gb + h * stride_gh + offs_d).to(tl.float32))
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
+    o = small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, o)
 
 
 def _check_heads(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -249,7 +252,7 @@ def prefill_attention(
         H, H // Hkv, (scale if scale is not None else Dh**-0.5) * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM=Dh, HAS_GATE=gate is not None, F32_DOT=interpreting(), **cfg,
+        HEAD_DIM=Dh, HAS_GATE=gate is not None, INTERPRET=interpreting(), **cfg,
     )
     return o
 
@@ -294,13 +297,13 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
         HEAD_DIM=Dh, BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), NUM_SPLITS=splits,
-        HAS_GATE=gate is not None, F32_DOT=interpreting(), **cfg,
+        HAS_GATE=gate is not None, INTERPRET=interpreting(), **cfg,
     )
     if splits > 1:
         _decode_combine_kernel[(B, H)](
             part_o, part_lse, g, o, H, g.stride(0), g.stride(1), o.stride(0), o.stride(1),
             HEAD_DIM=Dh, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HAS_GATE=gate is not None,
-            num_warps=4,
+            INTERPRET=interpreting(), num_warps=4,
         )
     return o
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import small_ops
 from batchinfer.kernels.gdn import _check, _interpreted
+from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
 @triton.jit
@@ -20,7 +22,7 @@ def _conv1d_kernel(
     x_ptr, w_ptr, cu_ptr, slot_ptr, state_ptr, out_ptr,  #
     C,  #
     stride_xt, stride_wc, stride_ss, stride_sk, stride_ot,  #
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,  #
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     seq = tl.program_id(1)
     start = tl.load(cu_ptr + seq).to(tl.int64)
@@ -39,7 +41,7 @@ def _conv1d_kernel(
         out = acc * tl.sigmoid(acc)
         o_ok = (offs_t < seqlen)[:, None] & c_ok[None, :]
         o_ptrs = out_ptr + (start + offs_t)[:, None] * stride_ot + offs_c[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_ok)
+        tl.store(o_ptrs, small_ops._to(out, out_ptr.dtype.element_ty, INTERPRET), mask=o_ok)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     if (tl.program_id(0) == 0) & (slot >= 0):  # the last K - 1 inputs become the decode state
         for j in tl.static_range(K - 1):
@@ -55,7 +57,7 @@ def _conv1d_update_kernel(
     x_ptr, w_ptr, slot_ptr, state_ptr, out_ptr,  #
     C,  #
     stride_xb, stride_wc, stride_ss, stride_sk, stride_ob,  #
-    K: tl.constexpr, BLOCK_C: tl.constexpr,  #
+    K: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -77,7 +79,8 @@ def _conv1d_update_kernel(
                 prev = nxt
         tl.store(s_ptr + (K - 2) * stride_sk, x.to(state_ptr.dtype.element_ty), mask=c_ok)
         out = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + b * stride_ob + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_ok)
+    out = small_ops._to(out, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + b * stride_ob + offs_c, out, mask=c_ok)
 
 
 def causal_conv1d(
@@ -102,7 +105,7 @@ def causal_conv1d(
         x, weight, cu_seqlens, slot_ids, conv_state, out,
         C,
         x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        K=K, BLOCK_T=block_t, BLOCK_C=block_c,
+        K=K, BLOCK_T=block_t, BLOCK_C=block_c, INTERPRET=interpreting(),
     )
     return out
 
@@ -125,7 +128,7 @@ def causal_conv1d_update(
         x, weight, slot_ids, conv_state, out,
         C,
         x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        K=K, BLOCK_C=block_c, num_warps=4,
+        K=K, BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4,
     )
     return out
 

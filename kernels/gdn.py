@@ -28,6 +28,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import small_ops
+from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
 def _interpreted() -> bool:
@@ -72,7 +74,7 @@ def _delta_rule_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,  #
-    DECODE: tl.constexpr,  #
+    DECODE: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     # Padded (e.g. Dk = Dv = 48 in a 64-wide tile): zeros in the padded k lanes keep the norms, S's extra
     # rows and every dot exact; padded v lanes are computed on zeros and never stored.
@@ -117,8 +119,9 @@ def _delta_rule_kernel(
             delta = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [BLOCK_V]
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(S * q[:, None], axis=0)
-            _store(o_ptr + t * stride_ot + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), v_ok, PAD)
-        _store(s_ptrs, S.to(state_ptr.dtype.element_ty), s_ok, PAD)
+            o = small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET)
+            _store(o_ptr + t * stride_ot + h * stride_oh + offs_v, o, v_ok, PAD)
+        _store(s_ptrs, small_ops._to(S, state_ptr.dtype.element_ty, INTERPRET), s_ok, PAD)
 
 
 @triton.jit
@@ -126,7 +129,7 @@ def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,  #
     R, eps,  #
     stride_x, stride_z, stride_out,  #
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,  #
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs = tl.arange(0, BLOCK_D)
@@ -140,7 +143,8 @@ def _gated_rmsnorm_kernel(
     w = _load(w_ptr + offs, d_ok, BLOCK_D != D).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))
-    tl.store(out_ptr + rows[:, None] * stride_out + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+    y = small_ops._to(y, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + rows[:, None] * stride_out + offs[None, :], y, mask=m)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -185,7 +189,7 @@ def gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), DECODE=decode, **cfg,
+        DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), DECODE=decode, INTERPRET=interpreting(), **cfg,
     )
     return o
 
@@ -205,7 +209,7 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     block_r = 4 if _interpreted() else 16
     _gated_rmsnorm_kernel[(triton.cdiv(R, block_r),)](
         x2, z2, weight, out, R, eps, x2.stride(0), z2.stride(0), out.stride(0),
-        D=Dv, BLOCK_D=triton.next_power_of_2(Dv), BLOCK_R=block_r, num_warps=4,
+        D=Dv, BLOCK_D=triton.next_power_of_2(Dv), BLOCK_R=block_r, INTERPRET=interpreting(), num_warps=4,
     )
     return out.view(x.shape)
 

@@ -17,6 +17,8 @@ walking its chunks in order, the state in registers). Head dims that are not pow
 model's 48) run in tiles padded to the next one (at least 16, for the dots), zero-filled by masks that
 only padded shapes compile. Numerics: Tm and the state in fp32; dot operands in the input dtype (bf16)
 with fp32 accumulation, as FLA does; expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative.
+Under the Triton CPU interpreter (`INTERPRET`, set by the launcher) the dots take fp32 operands and the
+bf16 casts round to nearest explicitly, working around Triton 3.9's interpreter; compiled code is unchanged.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import small_ops
 from batchinfer.kernels.gdn import _interpreted
+from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
 def _chunk_configs() -> dict[str, int]:
@@ -35,6 +39,17 @@ def _chunk_configs() -> dict[str, int]:
     if _interpreted():
         return {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "prep_warps": 4}
     return {"BT": 64, "BLOCK_V": 16, "num_warps": 8, "prep_warps": 8}
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    """a @ b in fp32. Under the interpreter (INTERPRET, set by the launcher) the operands go in as fp32,
+    since Triton 3.9's interpreter multiplies bf16 operands as raw bits; they hold bf16 values already."""
+    if INTERPRET:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -59,11 +74,11 @@ def _tile_mask(row_ok, col_ok, PAD: tl.constexpr):
 
 
 @triton.jit
-def _l2_rows(ptr, t, ok, stride_t, offs_k, k_ok, scale, PAD: tl.constexpr):
+def _l2_rows(ptr, t, ok, stride_t, offs_k, k_ok, scale, PAD: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows of a q or k tile, l2-normalised in fp32 (times scale), back in the input dtype."""
     x = tl.load(ptr + t[:, None] * stride_t + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
     xf = x.to(tl.float32)
-    return (xf * (scale / tl.sqrt(tl.sum(xf * xf, axis=1) + 1e-6))[:, None]).to(x.dtype)
+    return small_ops._to(xf * (scale / tl.sqrt(tl.sum(xf * xf, axis=1) + 1e-6))[:, None], x.dtype, INTERPRET)
 
 
 @triton.jit
@@ -72,6 +87,7 @@ def _chunk_prep_kernel(
     HV_PER_K,  #
     stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BT: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
     """Per (sequence, chunk, v-head): Tm = (I + A)^-1, W = Tm (beta e^G K) `[BT, DK]`, U0 = Tm (beta V)."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
@@ -88,27 +104,29 @@ def _chunk_prep_kernel(
         v_ok = offs_v < DV
         t = c0 + rows
         ok = t < end
-        kd = _l2_rows(k_ptr + (h // HV_PER_K) * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD)
+        kd = _l2_rows(k_ptr + (h // HV_PER_K) * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD,
+                      INTERPRET)
         neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
         beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a,
                          tl.load(dt_bias_ptr + h).to(tl.float32))
         lower = rows[:, None] > rows[None, :]
         A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
-        A = A * tl.dot(kd, tl.trans(kd))
+        A = A * _dot(kd, tl.trans(kd), INTERPRET)
         Tm = (rows[:, None] == rows[None, :]).to(tl.float32)  # row i = e_i - A[i, :i] Tm[:i]
         for i in range(1, BT):
             a_row = tl.sum(tl.where(rows[:, None] == i, A, 0.0), axis=0)  # [BT]
             new = tl.where(rows == i, 1.0, -tl.sum(a_row[:, None] * Tm, axis=0))
             Tm = tl.where(rows[:, None] == i, new[None, :], Tm)
-        Td = Tm.to(kd.dtype)
-        w = tl.dot(Td, (kd.to(tl.float32) * (beta * tl.exp(G))[:, None]).to(kd.dtype))
-        tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + offs_k[None, :], w.to(kd.dtype),
-                 mask=_tile_mask(ok, k_ok, PAD))
+        Td = small_ops._to(Tm, kd.dtype, INTERPRET)
+        w = _dot(Td, small_ops._to(kd.to(tl.float32) * (beta * tl.exp(G))[:, None], kd.dtype, INTERPRET),
+                 INTERPRET)
+        tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + offs_k[None, :],
+                 small_ops._to(w, kd.dtype, INTERPRET), mask=_tile_mask(ok, k_ok, PAD))
         v_ptrs = v_ptr + t[:, None] * stride_vt + h * stride_vh + offs_v[None, :]
         v = tl.load(v_ptrs, mask=_tile_mask(ok, v_ok, PAD), other=0.0)
-        u = tl.dot(Td, (v.to(tl.float32) * beta[:, None]).to(kd.dtype))
-        tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + offs_v[None, :], u.to(kd.dtype),
-                 mask=_tile_mask(ok, v_ok, PAD))
+        u = _dot(Td, small_ops._to(v.to(tl.float32) * beta[:, None], kd.dtype, INTERPRET), INTERPRET)
+        tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + offs_v[None, :],
+                 small_ops._to(u, kd.dtype, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
 
 
 @triton.jit
@@ -118,6 +136,7 @@ def _chunk_state_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt, stride_wt, stride_wh,  #
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
     """Per (sequence, v-head, v-tile), chunks in order: U = U0 - W S, the outputs, the state update."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (DV % BLOCK_V != 0)
@@ -138,27 +157,30 @@ def _chunk_state_kernel(
     for c0 in range(start, end, BT):
         t = c0 + rows
         ok = t < end
-        kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD)
-        qd = _l2_rows(q_ptr + hk * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD)
+        kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
+        qd = _l2_rows(q_ptr + hk * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD, INTERPRET)
         beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias)
         g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), axis=0)  # padded rows add 0 to G
         row_off = t[:, None] * stride_wt + h * stride_wh
         w = tl.load(w_ptr + row_off + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
         u0 = tl.load(u_ptr + row_off + offs_v[None, :], mask=_tile_mask(ok, v_ok, PAD), other=0.0)
-        Sd = S.to(kd.dtype)
-        ud = (u0.to(tl.float32) - tl.dot(w, Sd)).to(kd.dtype)  # [BT, BV]
-        qk = tl.dot(qd, tl.trans(kd)) * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
-        o = tl.dot(qd, Sd) * tl.exp(G)[:, None] + tl.dot(qk.to(kd.dtype), ud)
+        Sd = small_ops._to(S, kd.dtype, INTERPRET)
+        ud = small_ops._to(u0.to(tl.float32) - _dot(w, Sd, INTERPRET), kd.dtype, INTERPRET)  # [BT, BV]
+        qk = _dot(qd, tl.trans(kd), INTERPRET)
+        qk = qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
+        o = _dot(qd, Sd, INTERPRET) * tl.exp(G)[:, None]
+        o = o + _dot(small_ops._to(qk, kd.dtype, INTERPRET), ud, INTERPRET)
         o_ptrs = o_ptr + t[:, None] * stride_ot + h * stride_oh + offs_v[None, :]
-        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=_tile_mask(ok, v_ok, PAD))
-        k_tail = (kd.to(tl.float32) * tl.exp(g_last - G)[:, None]).to(kd.dtype)
-        S = S * tl.exp(g_last) + tl.dot(tl.trans(k_tail), ud)
+        tl.store(o_ptrs, small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
+        k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
+        S = S * tl.exp(g_last) + _dot(tl.trans(k_tail), ud, INTERPRET)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    S = small_ops._to(S, state_ptr.dtype.element_ty, INTERPRET)
     if PAD:
-        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=k_ok[:, None] & v_ok[None, :])
+        tl.store(s_ptrs, S, mask=k_ok[:, None] & v_ok[None, :])
     else:
-        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty))
+        tl.store(s_ptrs, S)
 
 
 def chunk_gated_delta_rule(
@@ -190,7 +212,8 @@ def chunk_gated_delta_rule(
         Hv // Hk,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         w.stride(0), w.stride(1),
-        DK=Dk, DV=Dv, BLOCK_K=block_k, BLOCK_DV=block_k, BT=BT, num_warps=cfg["prep_warps"],
+        DK=Dk, DV=Dv, BLOCK_K=block_k, BLOCK_DV=block_k, BT=BT, INTERPRET=interpreting(),
+        num_warps=cfg["prep_warps"],
     )
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     _chunk_state_kernel[(N, Hv, triton.cdiv(Dv, BV))](
@@ -199,6 +222,7 @@ def chunk_gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         w.stride(0), w.stride(1),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, num_warps=cfg["num_warps"],
+        DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, INTERPRET=interpreting(),
+        num_warps=cfg["num_warps"],
     )
     return o

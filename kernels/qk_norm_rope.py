@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import small_ops
+from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
 @triton.jit
 def _norm_rope_heads(x_ptr, stride_xh, NH, w_ptr, out_ptr, stride_oh, pos, inv_freq_ptr, eps,
                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROT_HALF: tl.constexpr,
-                     ONE_PLUS: tl.constexpr):
+                     ONE_PLUS: tl.constexpr, INTERPRET: tl.constexpr):
     """RMSNorm + NeoX RoPE of one token's `NH` heads (`[BLOCK_H, HEAD_DIM]` tile)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, HEAD_DIM)
@@ -39,7 +41,7 @@ def _norm_rope_heads(x_ptr, stride_xh, NH, w_ptr, out_ptr, stride_oh, pos, inv_f
     rot = tl.where((offs < ROT_HALF)[None, :], -yp, yp)  # NeoX rotate_half: pairs (i, i + ROT_HALF)
     out = tl.where(rotated[None, :], y * tl.cos(freq)[None, :] + rot * tl.sin(freq)[None, :], y)
     o_ptrs = out_ptr + offs_h[:, None] * stride_oh + offs[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok)
+    tl.store(o_ptrs, small_ops._to(out, out_ptr.dtype.element_ty, INTERPRET), mask=h_ok)
 
 
 @triton.jit
@@ -48,13 +50,14 @@ def _qk_norm_rope_kernel(
     H, HKV, eps,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,  #
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROT_HALF: tl.constexpr, ONE_PLUS: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, H, qw_ptr, q_out_ptr + t * stride_qot, stride_qoh,
-                     pos, inv_freq_ptr, eps, HEAD_DIM, BLOCK_H, ROT_HALF, ONE_PLUS)
+                     pos, inv_freq_ptr, eps, HEAD_DIM, BLOCK_H, ROT_HALF, ONE_PLUS, INTERPRET)
     _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, HKV, kw_ptr, k_out_ptr + t * stride_kot, stride_koh,
-                     pos, inv_freq_ptr, eps, HEAD_DIM, BLOCK_H, ROT_HALF, ONE_PLUS)
+                     pos, inv_freq_ptr, eps, HEAD_DIM, BLOCK_H, ROT_HALF, ONE_PLUS, INTERPRET)
 
 
 def _check_heads(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -95,7 +98,7 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         HEAD_DIM=Dh, BLOCK_H=triton.next_power_of_2(max(H, Hkv)), ROT_HALF=inv_freq.numel(),
-        ONE_PLUS=one_plus, num_warps=4,
+        ONE_PLUS=one_plus, INTERPRET=interpreting(), num_warps=4,
     )
     return q_out, k_out
 
