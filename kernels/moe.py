@@ -141,8 +141,8 @@ def _moe_configs(numel: int, experts: int, nvfp4: bool = True) -> MoEConfig | Mo
         if numel <= 72:  # up to 8 tokens of 9 slots: K in 4 splits (gate_up), the slots in 3 (down)
             return MoEDecodeConfig((16, 32, 4, 4), (32, 32, 4, 3))
         return MoEDecodeConfig((16, 32, 4, 1), (32, 32, 4, 1))
-    if interpreting():
-        return MoEConfig(16, (16, 32, 4, 1), (16, 32, 4, 1))
+    if interpreting():  # few, wide programs: the interpreter's cost is per program and op, not per element
+        return MoEConfig(16, (64, 64, 4, 1), (64, 64, 4, 1))
     avg = numel / experts
     if avg <= 16:
         return MoEConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))

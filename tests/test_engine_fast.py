@@ -20,7 +20,7 @@ from batchinfer.bench.exactness import engine_exactness  # noqa: E402
 from batchinfer.checkpoint.loader import load_checkpoint  # noqa: E402
 from batchinfer.checkpoint.presets import build_checkpoint  # noqa: E402
 from batchinfer.cli import cli  # noqa: E402
-from batchinfer.engine.api import SamplingParams, TextRequest  # noqa: E402
+from batchinfer.engine.api import SamplingParams  # noqa: E402
 from batchinfer.engine.fast import FastGenerator  # noqa: E402
 from batchinfer.engine.kernel_model import KernelModel  # noqa: E402
 from batchinfer.engine.loader import load_engine  # noqa: E402
@@ -121,26 +121,10 @@ def test_bad_prompts_are_refused_with_their_index():
         gen.generate([[]], [SamplingParams(max_tokens=2)])
 
 
-def test_demo_model_greedy_matches_the_reference_engine():
-    """The trained demo model through both engines, same requests: same answers (its logits are decisive,
-    so bf16 vs fp32 rounding does not flip them)."""
-    table = pq.read_table(ROOT / "examples" / "demo-prompts.parquet").slice(0, 12).to_pylist()
-    requests = [TextRequest(r["id"], messages=r["messages"], sampling=SamplingParams(max_tokens=24))
-                for r in table]  # fmt: skip
-    fast = load_engine(DEMO, device="cpu", engine="fast", max_slots=8)
-    reference = load_engine(DEMO, device="cpu", engine="reference")
-    assert fast.describe()["engine"] == "fast" and reference.describe()["engine"] == "reference"
-    ours = {r.index: r for r in fast.generate(requests)}
-    theirs = {r.index: r for r in reference.generate(requests)}
-    same = [ours[i].text == theirs[i].text for i in theirs]
-    assert sum(same) >= len(same) - 1, [(ours[i].text, theirs[i].text) for i in theirs]
-    correct = sum(ours[r["id"]].text.strip() == r["answer"] for r in table)
-    assert correct >= len(table) - 1
-
-
-def test_fast_engine_through_the_job_path(tmp_path):
-    """`batchinfer run --engine-arg engine=fast`: shards, Parquet, same answers as the reference run."""
-    table = pq.read_table(ROOT / "examples" / "demo-prompts.parquet").slice(0, 10)
+def test_demo_model_through_the_job_path(tmp_path):
+    """The trained demo model, `batchinfer run --engine-arg engine=fast` vs `engine=reference` (fp32): shards,
+    Parquet, and the same answers (its logits are decisive, so bf16 rounding does not flip them)."""
+    table = pq.read_table(ROOT / "examples" / "demo-prompts.parquet").slice(0, 6)
     inputs = tmp_path / "in.parquet"
     pq.write_table(table, inputs)
     texts = {}
@@ -153,8 +137,10 @@ def test_fast_engine_through_the_job_path(tmp_path):
         assert result.exit_code == 0, result.output
         done = [pq.read_table(p).to_pylist() for p in sorted((out / "shards").rglob("*.parquet"))]
         texts[engine] = {r["id"]: r["text"] for part in done for r in part}
-    assert len(texts["fast"]) == 10
-    assert sum(texts["fast"][i] == texts["reference"][i] for i in texts["reference"]) >= 9
+    assert len(texts["fast"]) == len(texts["reference"]) == 6
+    assert texts["fast"] == texts["reference"]
+    answers = dict(zip(table["id"].to_pylist(), table["answer"].to_pylist(), strict=True))
+    assert sum(texts["fast"][i].strip() == a for i, a in answers.items()) >= 5
 
 
 def test_fast_engine_refuses_a_cpu_without_the_interpreter(monkeypatch):
