@@ -64,6 +64,8 @@ class FastGenerator:
         self.prefill_tokens = prefill_tokens
         self.cuda_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.device = model.device
+        if self.device.type == "cuda":  # Triton launches and graph captures go to the current device
+            torch.cuda.set_device(self.device)
         self._state: SlotState | None = None
         self._slots = 0
         self._max_len = 0
