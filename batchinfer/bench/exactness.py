@@ -71,24 +71,15 @@ def engine_exactness(
     ref = [x.to(dev) for x in teacher_forcing_logits(reference, sequences)]
     lens = [len(s) for s in sequences]
     n = len(sequences)
-    state = model.new_state(n, max(lens))
-    slots = torch.arange(n, dtype=torch.int32, device=dev)
-    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=dev)
-    positions = torch.cat([torch.arange(x, dtype=torch.int32) for x in lens]).to(dev)
-    token_slots = torch.repeat_interleave(slots.long(), torch.tensor(lens, device=dev))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    logits = model.prefill(state, ids, positions, token_slots, cu, slots, max(lens), all_logits=True)
-    prefill = list(logits.split(lens))
-    prefill_rel, prefill_top1 = _compare(prefill, ref)
+    rows = list(range(n))
+    logits = model.prefill_prompts(model.new_state(n, max(lens)), sequences, rows, all_logits=True)
+    prefill_rel, prefill_top1 = _compare(list(logits.split(lens)), ref)
 
     # Decode path: prefill all but the last `decode_tail` tokens, then one token per step for all rows.
     state = model.new_state(n, max(lens))
     heads = [len(s) - decode_tail for s in sequences]
-    ids = torch.tensor([t for s, h in zip(sequences, heads, strict=True) for t in s[:h]], device=dev)
-    positions = torch.cat([torch.arange(h, dtype=torch.int32) for h in heads]).to(dev)
-    token_slots = torch.repeat_interleave(slots.long(), torch.tensor(heads, device=dev))
-    cu = torch.tensor([0, *torch.tensor(heads).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    model.prefill(state, ids, positions, token_slots, cu, slots, max(heads))
+    model.prefill_prompts(state, [s[:h] for s, h in zip(sequences, heads, strict=True)], rows)
+    slots = torch.arange(n, dtype=torch.int32, device=dev)
     steps = []
     for j in range(decode_tail):
         step_ids = torch.tensor([s[h + j] for s, h in zip(sequences, heads, strict=True)], device=dev)

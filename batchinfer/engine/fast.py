@@ -198,15 +198,7 @@ class FastGenerator:
 
     def _prefill_pass(self, group: list[_Seq]) -> list[int]:
         dev = self.device
-        lens = [len(s.prompt) for s in group]
-        ids = torch.tensor([t for s in group for t in s.prompt], dtype=torch.int64).to(dev)
-        positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]).to(dev)
-        token_slots = torch.repeat_interleave(torch.tensor([s.slot for s in group]), torch.tensor(lens)).to(
-            dev
-        )
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(dev)
-        slots = torch.tensor([s.slot for s in group], dtype=torch.int32).to(dev)
-        logits = self.model.prefill(self._state, ids, positions, token_slots, cu, slots, max(lens))
+        logits = self.model.prefill_prompts(self._state, [s.prompt for s in group], [s.slot for s in group])
         self.stats["prefill_passes"] += 1
         p = [s.params for s in group]
         n = len(group)

@@ -17,7 +17,7 @@ one token per row and is CUDA-graph safe (no host sync, shapes fixed by the row 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -226,6 +226,22 @@ class KernelModel:
             x[last].contiguous(), residual[last].contiguous(), self.norm, c.rms_norm_eps, c.one_plus_norm
         )
         return h @ self.lm_head.t()
+
+    def prefill_prompts(
+        self,
+        state: SlotState,
+        prompts: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """`prefill` of whole prompts (token-id lists) into `slots`; packs them on the host."""
+        dev, lens = self.device, [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64).to(dev)
+        positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]).to(dev)
+        token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens)).to(dev)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(dev)
+        slot_ids = torch.tensor(slots, dtype=torch.int32).to(dev)
+        return self.prefill(state, ids, positions, token_slots, cu, slot_ids, max(lens), all_logits)
 
     def decode(
         self, state: SlotState, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
