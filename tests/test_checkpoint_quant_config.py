@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from batchinfer.checkpoint.quant_config import FP8, MODELOPT, NVFP4, read_quant_config
+from batchinfer.checkpoint.quant_config import FP8, MODELOPT, NVFP4, QuantConfig, read_quant_config
 from batchinfer.errors import CheckpointError
 
 VL = "model.language_model.layers.0."
@@ -156,3 +156,20 @@ def test_compressed_tensors_unsupported_scheme():
     assert (
         "supported: format nvfp4-pack-quantized with 4-bit float tensor_group weights, group_size 16" in msg
     )
+
+
+def test_first_matching_pattern_wins_across_plain_names_and_wildcards():
+    # plain names are looked up in a dict, wildcards tried in order: the order of the config decides
+    q = QuantConfig(
+        MODELOPT,
+        "test",
+        layers={"model.layers.0.mlp": FP8, "*.experts.*": NVFP4, "model.layers.1.mlp.experts.3.up_proj": FP8},
+        exclude=["re:.*\\.mlp\\.gate$", "model.layers.2"],
+    )
+    assert q.scheme_for("model.layers.0.mlp.experts.3.up_proj") == FP8  # parent module, listed first
+    assert q.scheme_for("model.layers.1.mlp.experts.3.up_proj") == NVFP4  # the wildcard comes first
+    assert q.scheme_for("model.layers.1.mlp.shared_expert.up_proj") is None
+    assert q.scheme_for("model.layers.1.mlp.gate") is None  # excluded by regex
+    assert q.scheme_for("model.layers.2.mlp.experts.0.up_proj") is None  # excluded parent
+    assert q.scheme_for("model.layers.20.mlp.experts.0.up_proj") == NVFP4  # not under layers.2
+    assert q.scheme_for("model.language_model.layers.0.mlp.experts.0.down_proj") == FP8  # prefix tolerance

@@ -11,6 +11,7 @@ from batchinfer.kernels.nvfp4 import (
     pack_e2m1,
     quantize_fp8,
     quantize_nvfp4,
+    quantize_nvfp4_stack,
     round_to_e2m1_codes,
     tensor_scale_from_ct_global,
     unpack_e2m1,
@@ -195,6 +196,21 @@ def test_quantize_rejects_bad_shapes_and_values():
         quantize_nvfp4(bad)
     with pytest.raises(ValueError, match="tensor_amax"):
         quantize_nvfp4(torch.ones(2, 16), tensor_amax=0.0)
+
+
+def test_stack_quantization_is_bit_identical_to_one_matrix_at_a_time():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 8, 64, generator=g) * torch.tensor([1.0, 1e-3, 0.0, 40.0, 2.0])[:, None, None]
+    w[4, :, :16] = 0.0  # an all-zero block beside non-zero ones
+    for b, got in enumerate(quantize_nvfp4_stack(w)):
+        want = quantize_nvfp4(w[b])
+        assert torch.equal(got.packed, want.packed)
+        assert torch.equal(got.block_scale.view(torch.uint8), want.block_scale.view(torch.uint8))
+        assert torch.equal(got.tensor_scale, want.tensor_scale)
+    bad = w.clone()
+    bad[2, 1, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"first at index \[2, 1, 5\]"):
+        quantize_nvfp4_stack(bad)
 
 
 def test_weight_validation_names_the_field():

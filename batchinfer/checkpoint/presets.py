@@ -26,10 +26,12 @@ import torch
 
 from batchinfer.checkpoint.layout import weight_specs
 from batchinfer.checkpoint.loader import Weight, model_config_from_hf
-from batchinfer.checkpoint.quantize import quantize_weight
+from batchinfer.checkpoint.quant_config import NVFP4
+from batchinfer.checkpoint.quantize import quantize_weight, scheme_format
 from batchinfer.checkpoint.tokenizer_files import BUILTIN_CORPUS, build_tokenizer, builtin_special_ids
 from batchinfer.checkpoint.writer import DEFAULT_SHARD_BYTES, save_checkpoint, to_hf_checkpoint
 from batchinfer.errors import ConfigError
+from batchinfer.kernels.nvfp4 import quantize_nvfp4_stack
 from batchinfer.models.config import ModelConfig
 
 QUANTS = ("bf16", "nvfp4", "mixed")
@@ -216,14 +218,16 @@ def random_weights(
                 down = (residual_output_std(cfg) * torch.randn((e, d, i), generator=g, device=device)).to(
                     dtype
                 )
-                for x in range(e):
-                    for name, w in (
-                        ("gate_proj", gate_up[x, :i]),
-                        ("up_proj", gate_up[x, i:]),
-                        ("down_proj", down[x]),
-                    ):
-                        key = f"{layer}.mlp.experts.{x}.{name}"
-                        out[key] = quantize_weight(key, w, scheme, cfg)
+                stacks = (("gate_proj", gate_up[:, :i]), ("up_proj", gate_up[:, i:]), ("down_proj", down))
+                for name, stack in stacks:
+                    keys = [f"{layer}.mlp.experts.{x}.{name}" for x in range(e)]
+                    if scheme_format(keys[0], scheme) == NVFP4:  # all experts at once: same bits, one pass
+                        out.update(zip(keys, quantize_nvfp4_stack(stack), strict=True))
+                    else:
+                        out.update(
+                            (key, quantize_weight(key, w, scheme, cfg))
+                            for key, w in zip(keys, stack, strict=True)
+                        )
             continue
         w = _init(canon, spec.shape, cfg, g, device).to(dtype)
         out[canon] = quantize_weight(canon, w, scheme, cfg) if spec.linear else w

@@ -38,14 +38,53 @@ class QuantConfig:
     )  # module pattern -> format (MIXED_PRECISION, CT targets)
     exclude: list[str] = field(default_factory=list)
 
+    _layer_patterns: _Patterns | None = field(default=None, init=False, repr=False, compare=False)
+    _exclude_patterns: _Patterns | None = field(default=None, init=False, repr=False, compare=False)
+
     def scheme_for(self, module: str) -> str | None:
         """Format of the linear `module` (its full HF name without `.weight`): NVFP4, FP8 or None (dense)."""
-        if any(_matches(module, p) for p in self.exclude):
+        if self._exclude_patterns is None or self._layer_patterns is None:  # built once, on first use
+            self._exclude_patterns, self._layer_patterns = (
+                _Patterns(self.exclude),
+                _Patterns(list(self.layers)),
+            )
+        if self._exclude_patterns.first_match(module) is not None:
             return None
-        for pattern, fmt in self.layers.items():
-            if _matches(module, pattern):
-                return fmt
-        return self.default
+        first = self._layer_patterns.first_match(module)
+        return self.default if first is None else self.layers[self._layer_patterns.patterns[first]]
+
+
+class _Patterns:
+    """Module patterns in order; `first_match` finds the first one matching a module. ModelOpt's mixed
+    configs list every quantized module by name (30,000 for a 40-layer, 256-expert model), so plain names
+    are looked up in a dict and only wildcard and `re:` patterns are tried one by one."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = patterns
+        self.literal: dict[str, int] = {}
+        self.wild: list[int] = []
+        for i, p in enumerate(patterns):
+            if p.startswith("re:") or any(ch in p for ch in "*?["):
+                self.wild.append(i)
+            else:
+                self.literal.setdefault(p, i)
+
+    def first_match(self, module: str) -> int | None:
+        found = []
+        for c in _candidates(module):
+            parts = c.split(".")  # a pattern names the module itself or one of its parents
+            found.extend(
+                self.literal[q]
+                for n in range(1, len(parts) + 1)
+                if (q := ".".join(parts[:n])) in self.literal
+            )
+        for i in self.wild:
+            if found and min(found) < i:
+                break
+            if _matches(module, self.patterns[i]):
+                found.append(i)
+                break
+        return min(found) if found else None
 
 
 def _candidates(module: str) -> set[str]:
