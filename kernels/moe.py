@@ -2,7 +2,7 @@
 
 Flow (no host sync; CUDA-graph safe): `logits = h @ router^T` (cuBLAS, bf16) -> `moe_route` (one
 program per token: fp32 softmax, top-k, renormalise; the shared expert rides along as slot A with
-weight sigmoid(shared_gate logit)) -> one of two paths:
+weight sigmoid(shared_gate logit)) -> one of three paths (by entry count, `_moe_configs`):
 - grouped GEMMs (bf16 experts, or many entries): `moe_align` (entries grouped by expert,
   BLOCK_M-padded) -> gate_up GEMM (x rows gathered by token, gate and up tiles of the same columns,
   `silu(g) * u` in the fp32 epilogue, written per entry) -> down GEMM (routing weight applied in the
@@ -12,7 +12,9 @@ weight sigmoid(shared_gate logit)) -> one of two paths:
   (entry, column tile, K split), down one per (token, column tile, slot split) with the routing
   weights and the top-k sum fused; GEMVs on CUDA cores that decode two E2M1 codes per integer op
   (`_e2m1_pair`) and apply each 16-code block scale once per group sum.
-Weights are stacked at load (`stack_moe_weights`): NVFP4 `uint8 [E', 2I, D/2]` (gate rows then up
+- many entries (prefill): the experts decoded to bf16 once, then `torch._grouped_mm`
+  (`moe_grouped_mm.py`).
+Weights are stacked at load (`moe_weights.stack_moe_weights`): NVFP4 `uint8 [E', 2I, D/2]` (gate rows then up
 rows), e4m3 bytes `[E', 2I, D/16]`, tensor scales `[E', 2]` (gate and up keep their own), down
 `[E', D, I/2]`, `[E', D, I/16]`, `[E']`; or bf16 `[E', 2I, D]` / `[E', D, I]`. E' = E + 1 when the shared
 expert is stacked as expert E (it needs the routed experts' width, as in Qwen3.5/3.6).
@@ -23,85 +25,16 @@ slots in fp32 and rounds once (the grouped path rounds each slot's output to bf1
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
+from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
+from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
-from batchinfer.kernels.nvfp4_gemm import _decode_nvfp4_tile, interpreting, split_k_locks
-
-Linear = NVFP4Weight | torch.Tensor
-
-
-@dataclass(slots=True)
-class MoEWeights:
-    """One layer's experts stacked for the fused kernels; see the module docstring for layouts."""
-
-    router: torch.Tensor  # bf16 [E (+1 shared gate row), D]
-    w13: torch.Tensor  # NVFP4 uint8 [E', 2I, D/2] or bf16 [E', 2I, D]
-    w2: torch.Tensor  # NVFP4 uint8 [E', D, I/2] or bf16 [E', D, I]
-    w13_scale: torch.Tensor | None  # uint8 e4m3 bits [E', 2I, D/16]
-    w2_scale: torch.Tensor | None  # uint8 e4m3 bits [E', D, I/16]
-    w13_tensor_scale: torch.Tensor | None  # fp32 [E', 2]
-    w2_tensor_scale: torch.Tensor | None  # fp32 [E']
-    num_experts: int  # routed experts E
-    has_shared: bool
-
-    @property
-    def nvfp4(self) -> bool:
-        return self.w13_scale is not None
-
-    @property
-    def intermediate(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
-    def hidden(self) -> int:
-        return self.w2.shape[1]
-
-
-def stack_moe_weights(
-    router: torch.Tensor,
-    experts: Sequence[tuple[Linear, Linear, Linear]],
-    shared: tuple[Linear, Linear, Linear] | None = None,
-    shared_gate: torch.Tensor | None = None,
-) -> MoEWeights:
-    """Stack per-expert (gate_proj, up_proj, down_proj) weights (all NVFP4 or all bf16) at load time."""
-    mats = [*experts, *([shared] if shared is not None else [])]
-    if (shared is None) != (shared_gate is None):
-        raise ValueError("shared expert and shared_expert_gate must be given together")
-    if len(experts) != router.shape[0]:
-        raise ValueError(f"router: expected [{len(experts)}, D] for {len(experts)} experts, "
-                         f"got {list(router.shape)}")
-    shapes = {(g.shape, u.shape, d.shape) for g, u, d in mats}
-    if len(shapes) != 1:
-        raise ValueError(f"experts (and the shared expert) must share one shape to be stacked, "
-                         f"got {sorted(shapes)}")
-    quant = isinstance(mats[0][0], NVFP4Weight)
-    if any(isinstance(w, NVFP4Weight) != quant for m in mats for w in m):
-        raise ValueError("experts mix NVFP4 and dense weights; expected one format for all")
-    rows = torch.cat([router, shared_gate.reshape(1, -1)]) if shared_gate is not None else router
-    if not quant:
-        w13 = torch.stack([torch.cat([g, u]) for g, u, _ in mats]).to(torch.bfloat16).contiguous()
-        w2 = torch.stack([d for _, _, d in mats]).to(torch.bfloat16).contiguous()
-        return MoEWeights(rows.to(torch.bfloat16).contiguous(), w13, w2, None, None, None, None,
-                          len(experts), shared is not None)
-    return MoEWeights(
-        router=rows.to(torch.bfloat16).contiguous(),
-        w13=torch.stack([torch.cat([g.packed, u.packed]) for g, u, _ in mats]),
-        w2=torch.stack([d.packed for _, _, d in mats]),
-        w13_scale=torch.stack([torch.cat([g.block_scale, u.block_scale]) for g, u, _ in mats]).view(
-            torch.uint8
-        ),
-        w2_scale=torch.stack([d.block_scale for _, _, d in mats]).view(torch.uint8),
-        w13_tensor_scale=torch.stack([torch.stack([g.tensor_scale, u.tensor_scale]) for g, u, _ in mats]),
-        w2_tensor_scale=torch.stack([d.tensor_scale for _, _, d in mats]),
-        num_experts=len(experts),
-        has_shared=shared is not None,
-    )
+from batchinfer.kernels.nvfp4_gemm import _decode_nvfp4_tile, bf16_rne, interpreting, split_k_locks
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +45,12 @@ class MoEConfig:
     block_m: int
     gate_up: tuple[int, int, int, int]
     down: tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class MoEGroupedMMConfig:
+    """Selects the grouped-GEMM path (`moe_grouped_mm`): experts decoded to bf16 once, then
+    `torch._grouped_mm`; it has nothing to tune."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,18 +68,26 @@ class MoEDecodeConfig:
 # Entries (tokens x slots) up to which NVFP4 experts take the decode path: 32 tokens of 9 slots. A
 # first guess, not timed yet; `tune_kernels --kinds moe_decode` times both paths at each T.
 DECODE_MAX_ENTRIES = 288
+# Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill). A
+# first guess; `tune_kernels --kinds moe` times this path beside the fused kernels at each T.
+GROUPED_MM_MIN_ENTRIES = 8192
+
+MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig
 
 
-def _moe_configs(numel: int, experts: int, nvfp4: bool = True) -> MoEConfig | MoEDecodeConfig:
-    """By entries and average entries per expert. First guesses, not yet timed on the H200: the decode
-    path's from the compiled kernels (sm_90 resource usage, no spills), the grouped GEMMs' untuned;
-    `tune_kernels --kinds moe_decode,moe` times the candidates."""
+def _moe_configs(numel: int, experts: int, nvfp4: bool = True) -> MoEPath:
+    """By entries and average entries per expert. The decode path's configs timed on the H200 at T = 1
+    and 32 (docs/PERF_KERNELS.md); the grouped GEMMs' and the thresholds are first guesses;
+    `tune_kernels --kinds moe_decode,moe` times the candidates. The interpreter (CPU tests) keeps to the
+    fused kernels unless a test asks for the grouped-GEMM path."""
     if nvfp4 and numel <= DECODE_MAX_ENTRIES:
         if interpreting():
             return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
         if numel <= 72:  # up to 8 tokens of 9 slots: K in 4 splits (gate_up), the slots in 3 (down)
-            return MoEDecodeConfig((16, 32, 4, 4), (32, 32, 4, 3))
-        return MoEDecodeConfig((16, 32, 4, 1), (32, 32, 4, 1))
+            return MoEDecodeConfig((16, 32, 2, 4), (32, 32, 4, 3))
+        return MoEDecodeConfig((16, 32, 2, 4), (64, 32, 4, 3))
+    if numel >= GROUPED_MM_MIN_ENTRIES and not interpreting():
+        return MoEGroupedMMConfig()
     if interpreting():  # few, wide programs: the interpreter's cost is per program and op, not per element
         return MoEConfig(16, (64, 64, 4, 1), (64, 64, 4, 1))
     avg = numel / experts
@@ -202,15 +149,6 @@ def moe_route(
         _moe_route_kernel[(t,)](logits, ids, weights, num_experts, logits.stride(0), TOP_K=top_k,
                                 E_PAD=triton.next_power_of_2(num_experts), RENORM=renormalize, SHARED=shared)
     return ids, weights
-
-
-@triton.jit
-def _bf16_rne(acc, INTERPRET: tl.constexpr):
-    """fp32 -> bf16 rounded to nearest even; the interpreter truncates, so round the bits first there."""
-    if INTERPRET:
-        bits = acc.to(tl.uint32, bitcast=True)
-        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return acc.to(tl.bfloat16)
 
 
 @triton.jit
@@ -286,7 +224,7 @@ def _moe_gemm_kernel(
             acc = acc * (tl.load(ts_ptr + e) * 4194304.0)
         acc = acc * tl.load(route_w_ptr + entry, mask=valid, other=0.0)[:, None]
     out_ptrs = out_ptr + entry.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, _bf16_rne(acc, INTERPRET), mask=valid[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, bf16_rne(acc, INTERPRET), mask=valid[:, None] & mask_n[None, :])
 
 
 def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_expert, num_padded,
@@ -456,7 +394,7 @@ def _moe_decode_gate_up_kernel(
         gate, up = tl.split(gate_up)
         gate = gate * (tl.load(ts_ptr + e * 2) * 4194304.0)
         up = up * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
-        act = _bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
+        act = bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
         cols = (rows % 16) * (N // 16) + rows // 16
         tl.store(out_ptr + entry.to(tl.int64) * stride_om + cols, act, mask=mask_n)
 
@@ -493,7 +431,7 @@ def _moe_decode_down_kernel(
         out, last = _split_total(out, ws, lock_ptr + t * tl.num_programs(1) + pid_n, pid_s, T * N, mask_n,
                                  SPLIT)
     if last:
-        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, _bf16_rne(out, INTERPRET), mask=mask_n)
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, bf16_rne(out, INTERPRET), mask=mask_n)
 
 
 def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights,
@@ -542,13 +480,14 @@ def moe_experts(
     ids: torch.Tensor,
     route_w: torch.Tensor,
     w: MoEWeights,
-    config: MoEConfig | MoEDecodeConfig | None = None,
+    config: MoEPath | None = None,
 ) -> torch.Tensor:
     """`h [T, D]` bf16 through the experts `ids [T, A']` (int32) weighted by `route_w [T, A']` -> `[T, D]`
     bf16.
 
-    NVFP4 experts at up to DECODE_MAX_ENTRIES entries take the decode path, others the grouped GEMMs;
-    `config` overrides the table (used by the tuner): a `MoEDecodeConfig` forces the decode path."""
+    NVFP4 experts at up to DECODE_MAX_ENTRIES entries take the decode path, from GROUPED_MM_MIN_ENTRIES
+    the grouped-GEMM path (`moe_grouped_mm`), others the fused grouped GEMMs; `config` overrides the
+    table (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEGroupedMMConfig` the other."""
     t, d = h.shape
     if h.dtype != torch.bfloat16 or d != w.hidden or h.stride(1) != 1:
         raise ValueError(f"h: expected bfloat16 [T, {w.hidden}] with unit column stride, got {h.dtype} "
@@ -567,6 +506,8 @@ def moe_experts(
         if not w.nvfp4:
             raise ValueError("MoEDecodeConfig: the decode path needs NVFP4 experts, got bf16")
         return _moe_decode(h, ids, rw, w, cfg)
+    if isinstance(cfg, MoEGroupedMMConfig):
+        return moe_experts_grouped_mm(h, ids, rw, w)
     sorted_ids, block_expert, num_padded = moe_align(ids, experts, cfg.block_m)
     inter = torch.empty((numel, w.intermediate), dtype=torch.bfloat16, device=h.device)  # [T*A', I]
     y = torch.empty((numel, d), dtype=torch.bfloat16, device=h.device)  # [T*A', D]

@@ -70,6 +70,15 @@ def _nvfp4_gemm_configs(m: int, n: int) -> GemmConfig:
 
 
 @triton.jit
+def bf16_rne(acc, INTERPRET: tl.constexpr):
+    """fp32 -> bf16 rounded to nearest even; the interpreter truncates, so round the bits first there."""
+    if INTERPRET:
+        bits = acc.to(tl.uint32, bitcast=True)
+        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return acc.to(tl.bfloat16)
+
+
+@triton.jit
 def _decode_nvfp4_tile(b, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """uint8 codes [BN, BK/2] and uint8 e4m3 scales [BN, BK/16] -> bf16 W tile [BN, BK] times 2^-22."""
     b = b.to(tl.int32)
@@ -96,11 +105,12 @@ def _dot_nt(a, b, acc, F32_DOT: tl.constexpr):
 @triton.jit
 def _nvfp4_dequant_kernel(
     w_ptr, s_ptr, ts_ptr, out_ptr,  #
-    N, KB,  #
+    N, KB, TS_ROWS,  #
     stride_wn, stride_sn, stride_on,  #
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
-    """W tile [BLOCK_N, BLOCK_G * 16] -> bf16, stored as uint32 pairs (element 2j in the low half)."""
+    """W tile [BLOCK_N, BLOCK_G * 16] -> bf16, stored as uint32 pairs (element 2j in the low half).
+    Row r takes tensor scale ts[r // TS_ROWS] (stacked experts: one per gate, up or down matrix)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     byte = groups[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, G, 8]: 8 bytes per scale
@@ -109,11 +119,12 @@ def _nvfp4_dequant_kernel(
     s = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :],
                 mask=(rows < N)[:, None] & (groups < KB // 8)[None, :], other=0).to(tl.int32)
     sf = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    sf = (sf * (tl.load(ts_ptr) * 4194304.0))[:, :, None]  # block scale * tensor scale * 2^22, [N, G, 1]
+    ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None]
+    sf = (sf * (ts * 4194304.0))[:, :, None]  # block scale * tensor scale * 2^22, [N, G, 1]
     lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    lo_bits = (lo * sf).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    hi_bits = (hi * sf).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    lo_bits = bf16_rne(lo * sf, INTERPRET).to(tl.uint16, bitcast=True).to(tl.uint32)
+    hi_bits = bf16_rne(hi * sf, INTERPRET).to(tl.uint16, bitcast=True).to(tl.uint32)
     tl.store(out_ptr + rows[:, None, None] * stride_on + byte, lo_bits | (hi_bits << 16), mask=mask)
 
 
@@ -239,16 +250,28 @@ def nvfp4_dequantize(w: NVFP4Weight, row_start: int = 0, row_end: int | None = N
     n, k = w.shape
     row_end = n if row_end is None else row_end
     out = torch.empty((row_end - row_start, k), dtype=torch.bfloat16, device=w.device)
-    block_n, block_g = (16, 16) if interpreting() else (32, 32)
-    grid = (triton.cdiv(row_end - row_start, block_n), triton.cdiv(k // 16, block_g))
-    _nvfp4_dequant_kernel[grid](
-        w.packed[row_start:], w.block_scale.view(torch.uint8)[row_start:], w.tensor_scale,  #
-        out.view(torch.int32),  #
-        row_end - row_start, k // 2,  #
-        w.packed.stride(0), w.block_scale.stride(0), k // 2,  #
-        BLOCK_N=block_n, BLOCK_G=block_g, num_warps=4,  #
-    )
+    dequantize_rows(w.packed[row_start:row_end], w.block_scale[row_start:row_end], w.tensor_scale, n, out)
     return out
+
+
+def dequantize_rows(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    tensor_scale: torch.Tensor,
+    ts_rows: int,
+    out: torch.Tensor,
+) -> None:
+    """NVFP4 rows `packed [N, K/2]`, `block_scale [N, K/16]` (e4m3 or its uint8 bits) -> bf16 `out [N, K]`,
+    row r scaled by `tensor_scale.view(-1)[r // ts_rows]` (one scale per stacked matrix of ts_rows rows)."""
+    n, kb = packed.shape
+    block_n, block_g = (16, 16) if interpreting() else (32, 32)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(kb // 8, block_g))
+    _nvfp4_dequant_kernel[grid](
+        packed, block_scale.view(torch.uint8), tensor_scale.reshape(-1), out.view(torch.int32),  #
+        n, kb, ts_rows,  #
+        packed.stride(0), block_scale.stride(0), out.stride(0) // 2,  #
+        BLOCK_N=block_n, BLOCK_G=block_g, INTERPRET=interpreting(), num_warps=4,  #
+    )
 
 
 def dequant_matmul(

@@ -6,15 +6,17 @@ from batchinfer.kernels import moe
 from batchinfer.kernels.moe import (
     MoEConfig,
     MoEDecodeConfig,
+    MoEGroupedMMConfig,
     fused_moe,
     fused_moe_ref,
     moe_experts,
     moe_experts_ref,
     moe_route,
     moe_route_ref,
-    stack_moe_weights,
 )
 from batchinfer.kernels.moe_align import moe_align, moe_align_ref
+from batchinfer.kernels.moe_grouped_mm import dequantize_experts
+from batchinfer.kernels.moe_weights import stack_moe_weights
 from batchinfer.kernels.nvfp4 import quantize_nvfp4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,6 +126,39 @@ def test_decode_path_is_the_small_batch_default(monkeypatch):
     decode = moe_experts(h[:2], ids[:2], route_w[:2], w)  # 4 entries: the decode path
     assert _rel(decode, grouped[:2]) < 5e-3  # the same function either side of the limit
     assert _rel(grouped, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+@pytest.mark.parametrize(("quant", "shared"), [(True, True), (False, False)])
+def test_grouped_mm_path_matches_reference(quant, shared):
+    w = _weights(6, 64, 48, quant, shared, seed=61)
+    t, a = 9, 2 + shared
+    ids, route_w, g = _route(t, a, 6 + shared, seed=62)
+    ids[:, 0] = 4  # one expert with every token, others with none
+    h = torch.randn(t, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    out = moe_experts(h, ids, route_w, w, config=MoEGroupedMMConfig())
+    assert out.shape == (t, 64) and out.dtype == torch.bfloat16
+    # gate and up come out of the grouped GEMM in bf16 (as from HF's bf16 linears), one rounding more
+    # than the reference and the fused kernels make
+    assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 1e-2
+    assert _rel(out, moe_experts(h, ids, route_w, w)) < 1e-2
+
+
+def test_dequantized_experts_are_the_reference_weights():
+    w = _weights(3, 32, 16, True, True, seed=71)
+    w13, w2 = dequantize_experts(w)
+    assert w13.shape == (4, 32, 32) and w2.shape == (4, 32, 16) and w13.dtype == torch.bfloat16
+    for e in range(4):
+        ref13, ref2 = moe._expert_weights_f32(w, e)  # separate gate and up tensor scales
+        torch.testing.assert_close(w13[e].float(), ref13, rtol=2**-8, atol=0)
+        torch.testing.assert_close(w2[e].float(), ref2, rtol=2**-8, atol=0)
+
+
+def test_grouped_mm_path_is_the_large_batch_default(monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_MM_MIN_ENTRIES", 1000)
+    monkeypatch.setattr(moe, "interpreting", lambda: False)
+    assert isinstance(moe._moe_configs(1000, 8), MoEGroupedMMConfig)
+    assert isinstance(moe._moe_configs(999, 8), MoEConfig)
+    assert isinstance(moe._moe_configs(1000, 8, nvfp4=False), MoEGroupedMMConfig)
 
 
 def test_decode_path_refuses_bf16_experts():

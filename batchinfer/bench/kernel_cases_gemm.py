@@ -15,14 +15,8 @@ import torch
 
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
 from batchinfer.kernels.fp8_gemm import fp8_gemm
-from batchinfer.kernels.moe import (
-    MoEWeights,
-    fused_moe,
-    moe_experts_ref,
-    moe_route,
-    moe_route_ref,
-    stack_moe_weights,
-)
+from batchinfer.kernels.moe import fused_moe, moe_experts_ref, moe_route, moe_route_ref
+from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
 from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm
 from batchinfer.models.config import ModelConfig

@@ -21,7 +21,15 @@ import torch
 from batchinfer.bench.kernel_cases_gemm import _weights, moe_layer
 from batchinfer.bench.kernels import bench_models, rotating_sets, time_per_call
 from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm
-from batchinfer.kernels.moe import MoEConfig, MoEDecodeConfig, _moe_configs, moe_experts, moe_route
+from batchinfer.kernels.moe import (
+    MoEConfig,
+    MoEDecodeConfig,
+    MoEGroupedMMConfig,
+    MoEPath,
+    _moe_configs,
+    moe_experts,
+    moe_route,
+)
 from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
 
 log = logging.getLogger(__name__)
@@ -111,17 +119,18 @@ def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, in
     shared = cfg.shared_expert_intermediate_size > 0
     routes = [moe_route(h @ w.router.t(), cfg.num_experts, cfg.num_experts_per_tok, True, shared) for h in hs]
 
-    def run(c: MoEConfig | MoEDecodeConfig) -> float:
+    def run(c: MoEPath) -> float:
         return time_per_call(lambda i: moe_experts(hs[i], *routes[i], w, config=c), len(hs), budget_s=0.05)
 
     return run, routes[0][0].numel(), w.w13.shape[0]
 
 
 def tune_moe(model: str, t: int, dev: torch.device) -> dict:
-    """Gate_up tiles with the table's down tiles, then down tiles with the best gate_up, per BLOCK_M."""
+    """Gate_up tiles with the table's down tiles, then down tiles with the best gate_up, per BLOCK_M; beside
+    them the grouped-GEMM path (experts decoded to bf16, `torch._grouped_mm`), for GROUPED_MM_MIN_ENTRIES."""
     run, numel, experts = _moe_timer(model, t, dev)
     table = _moe_configs(numel, experts)
-    if not isinstance(table, MoEConfig):  # the decode path's T: tune the grouped GEMMs from their first guess
+    if not isinstance(table, MoEConfig):  # decode path or grouped_mm's T: tune from the first guess
         table = MoEConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
     timings = {table: run(table)}
     for bm in (16, 32, 64, 128):
@@ -141,6 +150,7 @@ def tune_moe(model: str, t: int, dev: torch.device) -> dict:
         "best": dataclasses.astuple(best),
         "best_us": timings[best] * 1e6,
         "table_us": timings[table] * 1e6,
+        "grouped_mm_us": run(MoEGroupedMMConfig()) * 1e6,
     }
 
 
@@ -150,7 +160,7 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
     DECODE_MAX_ENTRIES goes)."""
     timer, numel, experts = _moe_timer(model, t, dev)
 
-    def run(c: MoEConfig | MoEDecodeConfig) -> float:
+    def run(c: MoEPath) -> float:
         try:
             return timer(c)
         except Exception as e:  # a config that does not fit (registers, shared memory) is skipped
@@ -204,7 +214,7 @@ def main() -> None:
                     other = (
                         f"grouped {r['grouped_us']:.1f} us"
                         if kind == "moe_decode"
-                        else f"table {r['table_us']:.1f} us"
+                        else f"table {r['table_us']:.1f} us; grouped_mm {r['grouped_mm_us']:.1f} us"
                     )
                     log.info(
                         "%s %s T=%d: best %s %.1f us; %s", kind, model, t, r["best"], r["best_us"], other

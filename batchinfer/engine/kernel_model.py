@@ -27,7 +27,8 @@ from batchinfer.kernels.attention import decode_attention, prefill_attention
 from batchinfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
-from batchinfer.kernels.moe import MoEWeights, fused_moe, stack_moe_weights
+from batchinfer.kernels.moe import fused_moe
+from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
 from batchinfer.kernels.small_ops import add_rmsnorm, embedding
