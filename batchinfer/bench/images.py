@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -385,7 +384,7 @@ def run_images_benchmark(
         "score_threshold": threshold,
         "model": info or {},
         "engine": engine.describe(),
-        "environment": environment(device) | _commit_override(),
+        "environment": environment(device),
         "results": figures,
         "time_split": split,
         "accuracy_lock": lock,
@@ -416,12 +415,6 @@ def _run_peer(
     figures |= peak_memory(device)
     parity = peer.parity(model, workload.images, workload.prompts, sample_indices(n, lock_images))
     return {"engine": peer.describe(), "results": figures, "parity": parity}
-
-
-def _commit_override() -> dict[str, str]:
-    """The device machine has no git: the commit comes from BATCHINFER_COMMIT when set."""
-    commit = os.environ.get("BATCHINFER_COMMIT")
-    return {"commit": commit} if commit else {}
 
 
 def format_result(doc: dict[str, Any]) -> list[str]:

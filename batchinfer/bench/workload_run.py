@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,9 +67,11 @@ def build_model(
 
 
 def environment(device: torch.device) -> dict[str, str]:
-    """Commit, date, device and versions: what a recorded figure needs beside it."""
+    """Commit, date, device and versions: what a recorded figure needs beside it. The commit comes from
+    BATCHINFER_COMMIT when set (a copy of the tree without `.git`, as on the device machine)."""
+    commit = os.environ.get("BATCHINFER_COMMIT", "")
     try:
-        commit = subprocess.run(
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip()
     except OSError:
