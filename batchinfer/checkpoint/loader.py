@@ -173,6 +173,7 @@ def _plan(
                 plan[canon] = ("fused", name, ex, rows)
 
     tied = cfg.tie_word_embeddings and "lm_head" not in fields
+    guessed_prefix = _guess_prefix(prefixes)  # for naming missing tensors; once, not per tensor
     for canon, spec in specs.items():
         if canon in plan or (canon == "lm_head" and tied):
             continue
@@ -181,7 +182,7 @@ def _plan(
         fmt = quant.scheme_for(hf_base) if quant is not None and spec.linear else None
         if fmt is None:
             want_field = "" if layout.is_bare(canon) else "weight"
-            expected = layout.hf_name(prefixes.get(canon, _guess_prefix(prefixes)), canon, want_field)
+            expected = layout.hf_name(prefixes.get(canon, guessed_prefix), canon, want_field)
             if want_field not in have:
                 problems.append(f"{where}: missing tensor {expected} (shape {list(spec.shape)})")
                 continue
@@ -208,7 +209,7 @@ def _plan(
             )
             continue
         for f, (dt, shape_fn) in want_fields.items():
-            full = layout.hf_name(prefixes.get(canon, _guess_prefix(prefixes)), canon, f)
+            full = layout.hf_name(prefixes.get(canon, guessed_prefix), canon, f)
             if f not in have:
                 problems.append(f"{where}: missing tensor {full} ({fmt} linear {hf_base} per {quant.source})")
                 continue
