@@ -223,7 +223,9 @@ def test_fused_moe_real_shapes(t, e, d, i, shared, quant):
     h = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
     logits = h @ w.router.t()
     ids, route_w = moe_route(logits, e, 8, True, shared)
-    assert _rel(moe_experts(h, ids, route_w, w), moe_experts_ref(h, ids, route_w, w)) < 5e-3
+    # the grouped-GEMM path (prefill sizes) rounds gate and up to bf16 once more than the reference
+    tol = 1e-2 if ids.numel() >= moe.GROUPED_MM_MIN_ENTRIES else 5e-3
+    assert _rel(moe_experts(h, ids, route_w, w), moe_experts_ref(h, ids, route_w, w)) < tol
     ids_ref, _ = moe_route_ref(logits, e, 8, True, shared)
     agree = (ids.sort(1).values == ids_ref.sort(1).values).all(1).float().mean().item()
     assert agree > 0.99  # bf16 logits can tie; ties may pick either expert

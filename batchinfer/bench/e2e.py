@@ -101,9 +101,11 @@ class FastTokenEngine:
             **{k: str(v) for k, v in g.stats.items()},
         }
 
-    def warmup(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Compile the kernels for this workload's shapes before the clock starts (Triton specialises on
-        sizes; the MoE picks its configuration by tokens per expert): its first prompts, 2 tokens each."""
+    def warmup(self, prompts: Sequence[Sequence[int]], out_lens: Sequence[int]) -> None:
+        """Before the clock starts: size the state pools for the whole workload and capture every decode
+        graph (`FastGenerator.prepare`), then compile the kernels for its shapes (Triton specialises on
+        sizes; the MoE picks its path by tokens per expert) on its first prompts, 2 tokens each."""
+        self.generator.prepare(len(prompts), max(len(p) + n for p, n in zip(prompts, out_lens, strict=True)))
         first = list(prompts[:64])
         self.generator.generate(first, [SamplingParams(max_tokens=2, ignore_eos=True)] * len(first))
 

@@ -93,7 +93,7 @@ def _run_one(
 ) -> tuple[dict[str, Any], LockResult]:
     warmup = getattr(engine, "warmup", None)
     if warmup is not None:  # untimed: one-time compilation is not the engine's steady-state speed
-        warmup(requests.prompts)
+        warmup(requests.prompts, requests.out_lens)
     log.info("running %d requests through %s", len(requests.prompts), engine.describe().get("engine"))
     outputs, figures = measure(engine, requests.prompts, requests.out_lens, device)
     lock = accuracy_lock(reference, requests.prompts, outputs, lock_sample)
