@@ -207,16 +207,17 @@ def _nvfp4_gemm_kernel(
             tl.atomic_xchg(lock_ptr + pid, 0)
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
+_LOCKS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def split_k_locks(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 split-K tile counters, reused across calls (each reducing CTA resets its own)."""
-    buf = _LOCKS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _LOCKS[device] = buf
-    return buf
+    """Zeroed int32 split-K tile counters, reused across calls (each reducing CTA resets its own).
+    Outgrown buffers are kept, never freed: a CUDA graph captured earlier still points at its buffer (the
+    engine captures small decode batches first; freeing their counters corrupted later replays)."""
+    bufs = _LOCKS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def num_sms(device: torch.device) -> int:
