@@ -109,6 +109,18 @@ def test_prefill_out_of_memory_is_split_and_retried(monkeypatch, caplog):
     assert "ran out of GPU memory; retrying" in caplog.text
 
 
+def test_prepare_sizes_the_pools_once_for_a_whole_workload():
+    """`prepare` (the benchmark's untimed warm-up) allocates for the whole workload; later calls with
+    smaller needs keep the same pools (no reallocation, no graph recapture inside a timed run)."""
+    cfg, ref, km = _models("tiny-qwen3-moe", "bf16")
+    gen = FastGenerator(km)
+    gen.prepare(3, 40)
+    state = gen._state
+    assert state is not None and gen._slots == 3 and state.max_len == 40
+    out = gen.generate(_random_prompts(cfg.vocab_size, [5, 7]), [SamplingParams(max_tokens=2)] * 2)
+    assert [len(o.token_ids) for o in out] == [2, 2] and gen._state is state
+
+
 def test_bad_prompts_are_refused_with_their_index():
     cfg, ref, km = _models("tiny-qwen3-moe", "bf16")
     gen = FastGenerator(km)

@@ -76,6 +76,18 @@ def test_split_k_counters_reset_between_calls():
     _check(second, nvfp4_gemm_ref(x2, w))
 
 
+def test_outgrown_split_k_counters_stay_allocated(monkeypatch):
+    """A CUDA graph keeps the address of the counters it was captured with: growing the buffer must not
+    free the old one (graphs of small batches are captured before those of large ones)."""
+    monkeypatch.setattr(nvfp4_gemm_module, "_LOCKS", {})
+    dev = torch.device(DEVICE)
+    small = nvfp4_gemm_module.split_k_locks(dev, 10)
+    assert nvfp4_gemm_module.split_k_locks(dev, 100) is small  # big enough: reused
+    large = nvfp4_gemm_module.split_k_locks(dev, small.numel() + 1)
+    assert large is not small and large.numel() > small.numel() and not large.any()
+    assert any(b is small for b in nvfp4_gemm_module._LOCKS[dev])  # still referenced, so never freed
+
+
 def test_leading_dims_and_default_config():
     g = torch.Generator().manual_seed(3)
     w = quantize_nvfp4(torch.randn(24, 64, generator=g)).to(DEVICE)
