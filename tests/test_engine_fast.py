@@ -1,39 +1,37 @@
 """The GPU engine (`engine.kernel_model`, `engine.fast`, `engine.gpu`): exactness against the fp32 reference,
 the slot scheduler, stop handling, out-of-memory splitting and the job path.
 
-On the CPU the Triton kernels run under the interpreter (set here), at tiny shapes and short prompts;
-CUDA graphs are exercised by the `gpu` tests only.
+On the CPU the Triton kernels run under the interpreter (conftest sets it), at tiny shapes and short
+prompts; on a GPU machine the same tests run on the GPU, and the `gpu` tests add CUDA graphs, real widths
+and the whole demo job.
 """
 
-import os
+from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
 
-from pathlib import Path  # noqa: E402
-
-import pyarrow.parquet as pq  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
-
-from batchinfer.bench.exactness import engine_exactness  # noqa: E402
-from batchinfer.checkpoint.loader import load_checkpoint  # noqa: E402
-from batchinfer.checkpoint.presets import build_checkpoint  # noqa: E402
-from batchinfer.cli import cli  # noqa: E402
-from batchinfer.engine.api import SamplingParams  # noqa: E402
-from batchinfer.engine.fast import FastGenerator  # noqa: E402
-from batchinfer.engine.kernel_model import KernelModel  # noqa: E402
-from batchinfer.engine.loader import load_engine  # noqa: E402
-from batchinfer.errors import ConfigError  # noqa: E402
-from batchinfer.models.generate import generate  # noqa: E402
-from batchinfer.models.qwen_moe import QwenMoeModel  # noqa: E402
+from batchinfer.bench.exactness import engine_exactness
+from batchinfer.checkpoint.loader import load_checkpoint
+from batchinfer.checkpoint.presets import build_checkpoint
+from batchinfer.cli import cli
+from batchinfer.engine.api import SamplingParams
+from batchinfer.engine.fast import FastGenerator
+from batchinfer.engine.kernel_model import KernelModel
+from batchinfer.engine.loader import load_engine
+from batchinfer.errors import ConfigError
+from batchinfer.models.generate import generate
+from batchinfer.models.qwen_moe import QwenMoeModel
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo-qwen3.5-moe"
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _models(preset: str, quant: str, device: str = "cpu"):
+def _models(preset: str, quant: str, device: str = DEVICE):
     raw, tensors = build_checkpoint(preset, quant=quant, device=device)
     cfg, w = load_checkpoint(tensors, config=raw, device=device, dtype=torch.bfloat16)
     return cfg, QwenMoeModel(cfg, w, dtype=torch.float32), KernelModel(cfg, w)
@@ -130,26 +128,49 @@ def test_bad_prompts_are_refused_with_their_index():
         gen.generate([[]], [SamplingParams(max_tokens=2)])
 
 
+def _demo_job(tmp_path: Path, engine: str, rows: int, max_tokens: int) -> dict[int, str]:
+    """`batchinfer run` of the demo model over the first `rows` held-out prompts in 2 shards: shard 0
+    first, then a rerun that resumes with shard 1 (the job path a user runs). Texts by id."""
+    out = tmp_path / engine
+    args = ["run", "--input", str(tmp_path / "in.parquet"), "--model", str(DEMO), "--output", str(out),
+            "--max-tokens", str(max_tokens), "--shards", "2", "--engine-arg", f"engine={engine}",
+            "--engine-arg", f"device={DEVICE}", "--progress", "none"]  # fmt: skip
+    for extra in (["--shard", "0"], []):
+        result = CliRunner().invoke(cli, args + extra, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    done = [pq.read_table(p).to_pylist() for p in sorted((out / "shards").rglob("*.parquet"))]
+    texts = {r["id"]: r["text"] for part in done for r in part}
+    assert len(texts) == rows
+    return texts
+
+
+def _demo_inputs(tmp_path: Path, rows: int) -> dict[int, str]:
+    table = pq.read_table(ROOT / "examples" / "demo-prompts.parquet").slice(0, rows)
+    pq.write_table(table, tmp_path / "in.parquet")
+    return dict(zip(table["id"].to_pylist(), table["answer"].to_pylist(), strict=True))
+
+
 def test_demo_model_through_the_job_path(tmp_path):
     """The trained demo model, `batchinfer run --engine-arg engine=fast` vs `engine=reference` (fp32): shards,
-    Parquet, and the same answers (its logits are decisive, so bf16 rounding does not flip them)."""
-    table = pq.read_table(ROOT / "examples" / "demo-prompts.parquet").slice(0, 4)
-    inputs = tmp_path / "in.parquet"
-    pq.write_table(table, inputs)
-    texts = {}
-    for engine in ("fast", "reference"):
-        out = tmp_path / engine
-        args = ["run", "--input", str(inputs), "--model", str(DEMO), "--output", str(out),
-                "--max-tokens", "16", "--shards", "2", "--engine-arg", f"engine={engine}",
-                "--engine-arg", "device=cpu", "--progress", "none"]  # fmt: skip
-        result = CliRunner().invoke(cli, args, catch_exceptions=False)
-        assert result.exit_code == 0, result.output
-        done = [pq.read_table(p).to_pylist() for p in sorted((out / "shards").rglob("*.parquet"))]
-        texts[engine] = {r["id"]: r["text"] for part in done for r in part}
-    assert len(texts["fast"]) == len(texts["reference"]) == 4
-    assert texts["fast"] == texts["reference"]
-    answers = dict(zip(table["id"].to_pylist(), table["answer"].to_pylist(), strict=True))
-    assert sum(texts["fast"][i].strip() == a for i, a in answers.items()) >= 3
+    resume, Parquet, and the same answers (its logits are decisive, so bf16 rounding does not flip them)."""
+    answers = _demo_inputs(tmp_path, 4)
+    fast, reference = (_demo_job(tmp_path, engine, 4, 16) for engine in ("fast", "reference"))
+    assert fast == reference
+    assert sum(fast[i].strip() == a for i, a in answers.items()) >= 3
+
+
+@GPU
+@pytest.mark.gpu
+def test_demo_job_on_the_gpu_matches_the_reference_engine(tmp_path):
+    """Issue 6's acceptance: the whole held-out demo set through `batchinfer run` on the GPU engine (CUDA
+    graphs, bf16) and through the fp32 reference engine: the same texts (>= 99% of rows) and task
+    accuracy within 1 point."""
+    answers = _demo_inputs(tmp_path, 2000)
+    fast, reference = (_demo_job(tmp_path, engine, 2000, 32) for engine in ("fast", "reference"))
+    same = sum(fast[i] == reference[i] for i in answers) / len(answers)
+    acc = {name: sum(t[i].strip() == a.strip() for i, a in answers.items()) / len(answers)
+           for name, t in (("fast", fast), ("reference", reference))}  # fmt: skip
+    assert same >= 0.99 and abs(acc["fast"] - acc["reference"]) <= 0.01, (same, acc)
 
 
 def test_fast_engine_refuses_a_cpu_without_the_interpreter(monkeypatch):
