@@ -57,6 +57,23 @@ def test_teacher_forced_logits_match_the_fp32_reference(preset, quant):
     assert result.prefill_rel_l2 <= 1.5 * result.bf16_reference_rel_l2 + 2e-3, result
 
 
+def test_bf16_deltanet_state_halves_its_bytes_and_stays_accurate():
+    """The `deltanet_state=bfloat16` option: the recurrent pools in bf16 (half the bytes of a slot's
+    DeltaNet state) and the teacher-forced logits still within the issue's limits."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
+    km16 = KernelModel(cfg, dict(ref.weights), deltanet_state=torch.bfloat16)
+    state = km16.new_state(2, 8)
+    assert {t.dtype for t in state.recurrent if t is not None} == {torch.bfloat16}
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    deltanet_layers = sum(kind != "full_attention" for kind in cfg.layer_types)
+    assert km.slot_bytes(8) - km16.slot_bytes(8) == 2 * rec * deltanet_layers
+    # one 70-token sequence: the chunked DeltaNet prefill, then the decode path
+    result = engine_exactness(km16, ref, _random_prompts(cfg.vocab_size, [70]), decode_tail=4)
+    assert max(result.prefill_rel_l2, result.decode_rel_l2) <= 2e-2 and result.prefill_top1 >= 0.95, result
+    with pytest.raises(ValueError, match="deltanet_state: expected float32 or bfloat16"):
+        KernelModel(cfg, dict(ref.weights), deltanet_state=torch.float16)
+
+
 def test_slots_refill_and_stop_rules():
     """More requests than slots (refill), exact max_tokens, a stop token, and a stop from on_step."""
     cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
@@ -171,6 +188,13 @@ def test_demo_job_on_the_gpu_matches_the_reference_engine(tmp_path):
     acc = {name: sum(t[i].strip() == a.strip() for i, a in answers.items()) / len(answers)
            for name, t in (("fast", fast), ("reference", reference))}  # fmt: skip
     assert same >= 0.99 and abs(acc["fast"] - acc["reference"]) <= 0.01, (same, acc)
+
+
+def test_deltanet_state_engine_argument_is_checked():
+    with pytest.raises(ConfigError, match="deltanet_state='fp16': expected float32 or bfloat16"):
+        load_engine(DEMO, device="cpu", engine="fast", deltanet_state="fp16")
+    with pytest.raises(ConfigError, match="deltanet_state=bfloat16 applies to the fast engine"):
+        load_engine(DEMO, device="cpu", engine="reference", deltanet_state="bfloat16")
 
 
 def test_fast_engine_refuses_a_cpu_without_the_interpreter(monkeypatch):

@@ -97,6 +97,7 @@ class FastTokenEngine:
             "device": str(g.device),
             "dtype": "bfloat16",
             "max_slots": str(g.max_slots),
+            "deltanet_state": str(g.model.deltanet_state).removeprefix("torch."),
             "cuda_graphs": str(g.cuda_graphs),
             **{k: str(v) for k, v in g.stats.items()},
         }

@@ -93,6 +93,13 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
 @click.option(
     "--max-slots", default=512, show_default=True, type=int, help="Fast engine: most sequences at once."
 )
+@click.option(
+    "--deltanet-state",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Fast engine: dtype of the DeltaNet recurrent state (bfloat16 halves its bytes, costs accuracy).",
+)
 @click.option("--max-requests", type=int, help="Run only the first N requests (recorded as 'capped').")
 @click.option("--max-in", type=int, help="Cut prompts to their first N tokens (recorded deviation).")
 @click.option("--max-out", type=int, help="Generate at most N tokens per request (recorded deviation).")
@@ -134,6 +141,7 @@ def run(
     engine_name: str | None,
     max_batch_size: int,
     max_slots: int,
+    deltanet_state: str,
     max_requests: int | None,
     max_in: int | None,
     max_out: int | None,
@@ -176,6 +184,8 @@ def run(
     engine_name = engine_name or ("fast" if dev.type == "cuda" else "reference")
     if engine_name == "fast" and dtype == "fp32":
         raise click.UsageError("the fast engine computes in bf16; --dtype fp32 needs --engine reference")
+    if deltanet_state != "float32" and engine_name != "fast":
+        raise click.UsageError("--deltanet-state applies to the fast engine (--engine fast)")
     torch_dtype = DTYPES[dtype] if dtype else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     if engine_name == "fast":
         torch_dtype = torch.bfloat16
@@ -187,7 +197,7 @@ def run(
         from batchinfer.engine.fast import FastGenerator
         from batchinfer.engine.kernel_model import KernelModel
 
-        kernel_model = KernelModel(bm.config, bm.weights)
+        kernel_model = KernelModel(bm.config, bm.weights, deltanet_state=DTYPES[deltanet_state])
         exactness = engine_exactness(
             kernel_model,
             bm.reference,

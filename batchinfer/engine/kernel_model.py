@@ -9,8 +9,10 @@ Weights are laid out once at load time for the kernels:
   (q|k|v, DeltaNet qkv|z|b|a). Measured on the H200 (docs/PERF.md), cuBLAS on the bf16 weight beats
   our NVFP4 and FP8 W-only kernels at these shapes for every M, and these weights are ~7% of the bytes.
 State lives in per-slot pools preallocated by the caller (`SlotState`): the KV cache
-`[slots, Hkv, max_len, Dh]` per attention layer, conv state `[slots, K - 1, C]` and fp32 recurrent
-state `[slots, Hv, Dk, Dv]` per DeltaNet layer.
+`[slots, Hkv, max_len, Dh]` per attention layer, conv state `[slots, K - 1, C]` and recurrent state
+`[slots, Hv, Dk, Dv]` per DeltaNet layer, fp32 as the checkpoints' `mamba_ssm_dtype` says, or bf16 when
+asked (`deltanet_state`): half the bytes a decode step moves through the delta rule and half the slot
+memory, at some accuracy (the kernels compute in fp32 and round the state when they store it).
 Two forwards: `prefill` runs whole prompts packed (`cu_seqlens`), each from an empty slot; `decode` runs
 one token per row and is CUDA-graph safe (no host sync, shapes fixed by the row count).
 """
@@ -86,7 +88,7 @@ class SlotState:
     k: list[torch.Tensor | None]  # [slots, Hkv, max_len, Dh] bf16
     v: list[torch.Tensor | None]
     conv: list[torch.Tensor | None]  # [slots, K - 1, conv_dim] bf16
-    recurrent: list[torch.Tensor | None]  # [slots, Hv, Dk, Dv] fp32
+    recurrent: list[torch.Tensor | None]  # [slots, Hv, Dk, Dv] fp32 (or bf16, `deltanet_state`)
 
     @property
     def max_len(self) -> int:
@@ -96,7 +98,12 @@ class SlotState:
 class KernelModel:
     """Weights in kernel layouts plus the prefill and decode forwards (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Linear]) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: Mapping[str, Linear], deltanet_state: torch.dtype = torch.float32
+    ) -> None:
+        if deltanet_state not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"deltanet_state: expected float32 or bfloat16, got {deltanet_state}")
+        self.deltanet_state = deltanet_state
         c = self.config = config
         self.device = weights["embed_tokens"].device
         self.dtype = torch.bfloat16
@@ -164,7 +171,8 @@ class KernelModel:
                 total += 2 * c.num_key_value_heads * max_len * c.head_dim * 2
             else:
                 total += (c.linear_conv_kernel_dim - 1) * self._conv_dim * 2
-                total += c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+                state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+                total += state * self.deltanet_state.itemsize
         return total
 
     @property
@@ -187,7 +195,7 @@ class KernelModel:
             conv = (slots, c.linear_conv_kernel_dim - 1, self._conv_dim)
             state.conv.append(None if attn else torch.zeros(conv, dtype=torch.bfloat16, device=dev))
             rec = (slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-            state.recurrent.append(None if attn else torch.zeros(rec, dtype=torch.float32, device=dev))
+            state.recurrent.append(None if attn else torch.zeros(rec, dtype=self.deltanet_state, device=dev))
         return state
 
     # ---- forwards ----

@@ -69,6 +69,7 @@ def load_engine(
     max_batch_size: int | str = DEFAULT_MAX_BATCH_SIZE,
     engine: str = "auto",
     max_slots: int | str = MAX_SLOTS,
+    deltanet_state: str = "float32",
 ) -> ReferenceEngine:
     """Load a checkpoint folder onto `device` and wrap it in an engine.
 
@@ -77,7 +78,8 @@ def load_engine(
     `dtype` (reference engine): activation and dense-weight dtype; default float32 on CPU (bit-stable
     yardstick) and bfloat16 on GPU. `max_model_len` lowers the context limit below
     `max_position_embeddings`. `max_batch_size` is the reference engine's batch, `max_slots` the fast
-    engine's cap on concurrent sequences (it also fits them to free memory).
+    engine's cap on concurrent sequences (it also fits them to free memory). `deltanet_state` (fast
+    engine, Qwen3.5/3.6): `float32` (the checkpoints' own) or `bfloat16` recurrent state.
     The job layer passes its `--engine-arg KEY=VALUE` strings straight in, so numbers may be strings.
     """
     path = Path(model_path)
@@ -96,6 +98,10 @@ def load_engine(
             f"engine=fast runs Triton kernels and needs a CUDA device, got device {device!r} "
             "(engine=reference runs anywhere; TRITON_INTERPRET=1 interprets the kernels on a CPU, for tests)"
         )
+    if deltanet_state not in ("float32", "bfloat16"):
+        raise ConfigError(f"engine argument deltanet_state={deltanet_state!r}: expected float32 or bfloat16")
+    if deltanet_state != "float32" and not fast:
+        raise ConfigError("engine argument deltanet_state=bfloat16 applies to the fast engine (engine=fast)")
     if fast and dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
         raise ConfigError(f"the fast engine computes in bfloat16; dtype={dtype!r} needs engine=reference")
     if fast:
@@ -117,7 +123,8 @@ def load_engine(
     quantization = describe_quantization(weights, raw)
     if fast:
         QwenMoeModel(config, weights, dtype=torch_dtype)  # the same checks of names and shapes
-        generator = FastGenerator(KernelModel(config, weights), max_slots=max_slots)
+        kernel_model = KernelModel(config, weights, deltanet_state=DTYPES[deltanet_state])
+        generator = FastGenerator(kernel_model, max_slots=max_slots)
         del weights
         log.info(
             "loaded %s (%s, %s) on %s for the fast engine in %.1f s",
