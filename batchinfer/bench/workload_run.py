@@ -70,12 +70,13 @@ def environment(device: torch.device) -> dict[str, str]:
     """Commit, date, device and versions: what a recorded figure needs beside it. The commit comes from
     BATCHINFER_COMMIT when set (a copy of the tree without `.git`, as on the device machine)."""
     commit = os.environ.get("BATCHINFER_COMMIT", "")
-    try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+        except OSError:
+            commit = ""
     return {
         "commit": commit or "unknown",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
