@@ -96,6 +96,7 @@ DECODE_CFGS = [
     MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1)),
     MoEDecodeConfig((32, 4, 2, 2), (64, 2, 1, 2)),
     MoEDecodeConfig((16, 2, 4, 3), (16, 2, 4, 4)),
+    MoEDecodeConfig((32, 2, 1, 2), (64, 2, 1, 2), f16=True),  # fp16x2 products, rows across lanes
 ]
 
 
@@ -112,6 +113,19 @@ def test_decode_path_matches_reference(cfg, shared):
     assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
     again = moe_experts(h, ids, route_w, w, config=cfg)
     assert torch.equal(again, out)  # deterministic, and the split counters were reset
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # SiLU of huge gates, interpreted
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 3e4])
+def test_f16_decode_path_scales_x_into_fp16_range(magnitude):
+    """The fp16 products scale x by a power of two per K step: tiny and huge activations (beyond fp16's
+    65504 once multiplied by a code) come out as accurate as ordinary ones."""
+    w = _weights(4, 64, 32, True, False, seed=81)
+    ids, route_w, g = _route(2, 2, 4, seed=82)
+    h = (torch.randn(2, 64, generator=g) * magnitude).to(torch.bfloat16).to(DEVICE)
+    out = moe_experts(h, ids, route_w, w, config=DECODE_CFGS[-1])
+    assert torch.isfinite(out.float()).all()
+    assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
 
 
 def test_decode_path_is_the_small_batch_default(monkeypatch):
