@@ -152,6 +152,8 @@ def _demo_job(tmp_path: Path, engine: str, rows: int, max_tokens: int) -> dict[i
     args = ["run", "--input", str(tmp_path / "in.parquet"), "--model", str(DEMO), "--output", str(out),
             "--max-tokens", str(max_tokens), "--shards", "2", "--engine-arg", f"engine={engine}",
             "--engine-arg", f"device={DEVICE}", "--progress", "none"]  # fmt: skip
+    if engine == "reference":
+        args += ["--engine-arg", "dtype=float32"]  # the fp32 yardstick, also on a GPU
     for extra in (["--shard", "0"], []):
         result = CliRunner().invoke(cli, args + extra, catch_exceptions=False)
         assert result.exit_code == 0, result.output
