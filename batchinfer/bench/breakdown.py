@@ -3,6 +3,8 @@
 Runs `KernelModel.decode` for `batch` rows (eager, the same kernels the CUDA graph replays) and
 `KernelModel.prefill` for `prompts` prompts of `prompt_len` tokens under the PyTorch profiler, and sums
 device time per kernel name into groups a reader can act on (MoE, attention, DeltaNet, GEMM, norms...).
+Beside the device time of the decode step it times the step as the engine runs it, a CUDA graph
+replayed back to back: the difference is the gaps between kernels.
 """
 
 from __future__ import annotations
@@ -64,6 +66,26 @@ def _profile(fn, repeats: int) -> dict[str, Any]:
     }
 
 
+def _graph_replay_us(fn, replays: int = 20) -> float:
+    """Wall time of one replay of `fn` captured as a CUDA graph, averaged over back-to-back replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up off the capture stream, as torch.cuda.graph asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 @torch.inference_mode()
 def breakdown(
     model: KernelModel, batch: int, context: int, prompts: int, prompt_len: int, repeats: int = 5
@@ -80,6 +102,7 @@ def breakdown(
     pos = torch.full((batch,), context, dtype=torch.int32, device=dev)
     rows = torch.arange(batch, dtype=torch.int32, device=dev)
     decode = _profile(lambda: model.decode(state, ids, pos, rows), repeats)
+    decode["graph_replay_us"] = _graph_replay_us(lambda: model.decode(state, ids, pos, rows))
 
     p_ids = torch.randint(10, vocab, (prompts * prompt_len,), device=dev, generator=g)
     p_pos = torch.arange(prompt_len, dtype=torch.int32, device=dev).repeat(prompts)
@@ -102,7 +125,8 @@ def format_breakdown(doc: dict[str, Any]) -> list[str]:
             if key == "decode_step"
             else (f"{d['prompts']} x {d['prompt_len']} tokens")
         )
-        lines.append(f"{what} ({shape}): {d['total_us']:.0f} us of device time")
+        replay = f"; {d['graph_replay_us']:.0f} us a CUDA-graph replay" if "graph_replay_us" in d else ""
+        lines.append(f"{what} ({shape}): {d['total_us']:.0f} us of device time{replay}")
         for group, us in d["groups"].items():
             lines.append(f"  {group:<20} {us:9.1f} us  {100 * us / d['total_us']:5.1f}%")
     return lines
