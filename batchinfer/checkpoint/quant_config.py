@@ -38,16 +38,14 @@ class QuantConfig:
     )  # module pattern -> format (MIXED_PRECISION, CT targets)
     exclude: list[str] = field(default_factory=list)
 
-    _layer_patterns: _Patterns | None = field(default=None, init=False, repr=False, compare=False)
-    _exclude_patterns: _Patterns | None = field(default=None, init=False, repr=False, compare=False)
+    _layer_patterns: _Patterns = field(init=False, repr=False, compare=False)
+    _exclude_patterns: _Patterns = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._layer_patterns, self._exclude_patterns = _Patterns(list(self.layers)), _Patterns(self.exclude)
 
     def scheme_for(self, module: str) -> str | None:
         """Format of the linear `module` (its full HF name without `.weight`): NVFP4, FP8 or None (dense)."""
-        if self._exclude_patterns is None or self._layer_patterns is None:  # built once, on first use
-            self._exclude_patterns, self._layer_patterns = (
-                _Patterns(self.exclude),
-                _Patterns(list(self.layers)),
-            )
         if self._exclude_patterns.first_match(module) is not None:
             return None
         first = self._layer_patterns.first_match(module)
@@ -70,21 +68,21 @@ class _Patterns:
                 self.literal.setdefault(p, i)
 
     def first_match(self, module: str) -> int | None:
-        found = []
-        for c in _candidates(module):
-            parts = c.split(".")  # a pattern names the module itself or one of its parents
-            found.extend(
-                self.literal[q]
-                for n in range(1, len(parts) + 1)
-                if (q := ".".join(parts[:n])) in self.literal
-            )
+        """Index of the first pattern naming `module` or one of its parents, or None."""
+        literal = [
+            self.literal[q]
+            for c in _candidates(module)
+            for parts in [c.split(".")]
+            for n in range(1, len(parts) + 1)
+            if (q := ".".join(parts[:n])) in self.literal
+        ]
+        best = min(literal, default=None)
         for i in self.wild:
-            if found and min(found) < i:
+            if best is not None and i > best:
                 break
             if _matches(module, self.patterns[i]):
-                found.append(i)
-                break
-        return min(found) if found else None
+                return i
+        return best
 
 
 def _candidates(module: str) -> set[str]:
