@@ -326,25 +326,16 @@ def _half(x2, HI: tl.constexpr):
 def _group_dot_f16(w_ptrs, mask, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, INTERPRET: tl.constexpr):
     """`_group_dot` with fp16 products: x pairs packed as uint32 (`xa_P` = x[P] | x[P + 4] << 16, `xb_P` =
     x[8 + P] | x[12 + P] << 16, fp16 bits, [1, BG]), 16 products summed in fp16x2 (PTX), times 2^-14. The
-    interpreter has no inline PTX: it decodes with `_e2m1_pair` and sums the same products in fp32."""
+    interpreter has no inline PTX: it unpacks the x pairs and runs `_group_dot` (fp32 products)."""
+    if INTERPRET:
+        return _group_dot(w_ptrs, mask,  #
+                          _half(xa0, False), _half(xa1, False), _half(xa2, False), _half(xa3, False),  #
+                          _half(xa0, True), _half(xa1, True), _half(xa2, True), _half(xa3, True),  #
+                          _half(xb0, False), _half(xb1, False), _half(xb2, False), _half(xb3, False),  #
+                          _half(xb0, True), _half(xb1, True), _half(xb2, True), _half(xb3, True))
     w = tl.load(w_ptrs, mask=mask, other=0)
     wa = w.to(tl.uint32)
     wb = (w >> 32).to(tl.uint32)
-    if INTERPRET:
-        c0, c4 = _e2m1_pair(wa, 0)
-        c1, c5 = _e2m1_pair(wa, 1)
-        c2, c6 = _e2m1_pair(wa, 2)
-        c3, c7 = _e2m1_pair(wa, 3)
-        c8, c12 = _e2m1_pair(wb, 0)
-        c9, c13 = _e2m1_pair(wb, 1)
-        c10, c14 = _e2m1_pair(wb, 2)
-        c11, c15 = _e2m1_pair(wb, 3)
-        acc = c0 * _half(xa0, False) + c4 * _half(xa0, True) + c1 * _half(xa1, False)
-        acc += c5 * _half(xa1, True) + c2 * _half(xa2, False) + c6 * _half(xa2, True)
-        acc += c3 * _half(xa3, False) + c7 * _half(xa3, True) + c8 * _half(xb0, False)
-        acc += c12 * _half(xb0, True) + c9 * _half(xb1, False) + c13 * _half(xb1, True)
-        acc += c10 * _half(xb2, False) + c14 * _half(xb2, True) + c11 * _half(xb3, False)
-        return acc + c15 * _half(xb3, True)
     z = tl.zeros_like(wa)  # the x pairs broadcast over the rows (adding zero compiles to nothing)
     r = tl.inline_asm_elementwise(
         _GROUP_DOT_PTX, "=r,r,r,r,r,r,r,r,r,r,r",

@@ -14,7 +14,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from batchinfer.kernels.nvfp4_gemm import interpreting
+from batchinfer.kernels.nvfp4_gemm import bf16_rne, interpreting
 
 
 def _row_configs(d: int) -> dict[str, int]:
@@ -31,8 +31,7 @@ def _to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     3.9's interpreter truncates fp32 -> bf16 where the GPU rounds, a -0.3% bias per cast that compounds over
     a model's layers. Compiled code is unchanged."""
     if INTERPRET and dtype == tl.bfloat16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return bf16_rne(x.to(tl.float32), INTERPRET)
     return x.to(dtype)
 
 
