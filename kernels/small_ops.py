@@ -40,7 +40,8 @@ def _add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,  #
     D, eps,  #
     stride_x, stride_res, stride_out, stride_res_out,  #
-    HAS_RESIDUAL: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,  #
+    HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr, ONE_PLUS: tl.constexpr,  #
+    BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -48,7 +49,9 @@ def _add_rmsnorm_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = _to(x.to(tl.float32) + r.to(tl.float32), res_out_ptr.dtype.element_ty, INTERPRET)  # as in HF
+        x = x.to(tl.float32) + r.to(tl.float32)
+    if STORE_RESIDUAL:  # rounded to the residual's dtype (bf16 as in HF, or kept in fp32) before the norm
+        x = _to(x, res_out_ptr.dtype.element_ty, INTERPRET)
         tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
@@ -101,29 +104,39 @@ def _check_rows(name: str, t: torch.Tensor, rows: int | None = None, width: int 
 
 
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, one_plus: bool
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    one_plus: bool,
+    residual_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-norm residual step: `r = x + residual; return rmsnorm(r), r` in one pass.
 
-    x, residual `[T, D]`; weight `[D]`. With `residual=None` the sum is x itself (first layer) and
-    x is returned as the new residual. `one_plus` selects Qwen3.5's `(1 + w)` scale, else `w`.
+    x, residual `[T, D]`; weight `[D]`. With `residual=None` the sum is x itself (first layer).
+    The residual is kept in `residual_dtype` (default: residual's, else x's): fp32 skips the bf16
+    rounding of the residual stream at every layer, HF's largest source of drift from fp32. `one_plus`
+    selects Qwen3.5's `(1 + w)` scale, else `w`.
     """
     _check_rows("x", x)
     T, D = x.shape
     if residual is not None:
         _check_rows("residual", residual, T, D)
-        if residual.dtype != x.dtype:
-            raise ValueError(f"residual: expected dtype {x.dtype}, got {residual.dtype}")
+        if residual.dtype not in (x.dtype, torch.float32) or residual_dtype not in (None, residual.dtype):
+            raise ValueError(f"residual: expected dtype {residual_dtype or x.dtype} or float32, got "
+                             f"{residual.dtype}")
     if weight.shape != (D,):
         raise ValueError(f"weight: expected shape ({D},), got {tuple(weight.shape)}")
+    res_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
+    store = residual is not None or res_dtype != x.dtype
+    res_out = torch.empty((T, D), dtype=res_dtype, device=x.device) if store else x
     cfg = _row_configs(D)
     _add_rmsnorm_kernel[(T,)](
         x, residual if residual is not None else x, weight, out, res_out,
         D, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0),
-        HAS_RESIDUAL=residual is not None, ONE_PLUS=one_plus, INTERPRET=interpreting(),
+        HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=store, ONE_PLUS=one_plus, INTERPRET=interpreting(),
         BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
     )
     return out, res_out
@@ -165,8 +178,9 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 def add_rmsnorm_ref(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, one_plus: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 reference of `add_rmsnorm`; returns fp32 (normed, residual sum rounded to x.dtype)."""
-    r = x if residual is None else (x.float() + residual.float()).to(x.dtype)  # reads x, residual; writes r
+    """fp32 reference of `add_rmsnorm`; returns fp32 (normed, residual sum rounded to residual's dtype,
+    or x's)."""
+    r = x if residual is None else (x.float() + residual.float()).to(residual.dtype)  # reads x, res; writes r
     rf = r.float()
     w = weight.float() + 1.0 if one_plus else weight.float()
     return rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * w, r  # reads r, w; writes out

@@ -36,6 +36,26 @@ def test_add_rmsnorm(monkeypatch, T, D, one_plus, with_residual):
     assert rel_err(rmsnorm(r, w, 1e-6, one_plus), ref) < 1e-2
 
 
+def test_add_rmsnorm_keeps_an_fp32_residual(monkeypatch):
+    """The fp32 residual stream: the first layer widens x exactly, later sums are fp32 (no bf16 rounding)."""
+    poison_empty(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 96, generator=g).to(torch.bfloat16).to(DEV)
+    h = (torch.randn(4, 96, generator=g) * 1e-3).to(torch.bfloat16).to(DEV)  # small, as a branch output
+    w = (torch.randn(96, generator=g) * 0.5).to(torch.bfloat16).to(DEV)
+    out0, r0 = add_rmsnorm(x, None, w, 1e-6, True, residual_dtype=torch.float32)
+    assert r0.dtype == torch.float32 and torch.equal(r0.cpu(), x.float().cpu())
+    assert rel_err(out0, add_rmsnorm_ref(x, None, w, 1e-6, True)[0]) < 1e-2
+    out1, r1 = add_rmsnorm(h, r0, w, 1e-6, True)
+    assert r1.dtype == torch.float32
+    torch.testing.assert_close(r1.cpu(), (h.float() + r0).cpu(), rtol=1e-6, atol=0)
+    assert not torch.equal(r1.cpu(), (h.float() + r0).to(torch.bfloat16).float().cpu())  # would be in bf16
+    ref, r_ref = add_rmsnorm_ref(h, r0, w, 1e-6, True)
+    assert r_ref.dtype == torch.float32 and rel_err(out1, ref) < 1e-2
+    with pytest.raises(ValueError, match="residual: expected dtype"):
+        add_rmsnorm(h, r0.half(), w, 1e-6, True)
+
+
 def test_add_rmsnorm_one_plus_differs():
     """The (1+w) and w forms must not collapse into one another."""
     x = torch.randn(2, 64).to(DEV)

@@ -13,6 +13,8 @@ State lives in per-slot pools preallocated by the caller (`SlotState`): the KV c
 `[slots, Hv, Dk, Dv]` per DeltaNet layer, fp32 as the checkpoints' `mamba_ssm_dtype` says, or bf16 when
 asked (`deltanet_state`): half the bytes a decode step moves through the delta rule and half the slot
 memory, at some accuracy (the kernels compute in fp32 and round the state when they store it).
+The residual stream is kept in fp32 (`RESIDUAL`), where HF rounds it to bf16 at every layer: that
+rounding is most of a bf16 forward's drift from fp32, and costs 2 bytes a hidden value more.
 Two forwards: `prefill` runs whole prompts packed (`cu_seqlens`), each from an empty slot; `decode` runs
 one token per row and is CUDA-graph safe (no host sync, shapes fixed by the row count).
 """
@@ -38,6 +40,8 @@ from batchinfer.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from batchinfer.models.layers import Linear
+
+RESIDUAL = torch.float32  # dtype of the residual stream
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
 # Prompts at most this long run the token-recurrent DeltaNet prefill; longer ones the chunked kernel.
@@ -217,7 +221,8 @@ class KernelModel:
         c = self.config
         x, residual = embedding(ids, self.embed), None
         for i, layer in enumerate(self.layers):
-            h, residual = add_rmsnorm(x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm)
+            h, residual = add_rmsnorm(x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm,
+                                      RESIDUAL)
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
                 state.k[i][token_slots, :, positions.long()] = k  # type: ignore[index]
@@ -261,7 +266,8 @@ class KernelModel:
         seq_lens, slot_idx, pos_idx = positions + 1, slots.long(), positions.long()
         x, residual = embedding(ids, self.embed), None
         for i, layer in enumerate(self.layers):
-            h, residual = add_rmsnorm(x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm)
+            h, residual = add_rmsnorm(x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm,
+                                      RESIDUAL)
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
                 kc, vc = state.k[i], state.v[i]
