@@ -225,7 +225,8 @@ def test_cuda_graphs_match_eager_decode():
 @GPU
 @pytest.mark.parametrize("preset,quant", [("qwen3.6-35b-a3b", "mixed"), ("qwen3-30b-a3b", "nvfp4")])
 def test_real_widths_exactness_on_gpu(preset, quant):
-    """Real widths (experts, heads, head dims), first 4 layers, both paths at the issue's limits."""
+    """Real widths (experts, heads, head dims), first 4 layers, both paths at the issue's limits, over
+    8 sequences (2,296 prefill and 256 decode positions, as many as `bench run` checks)."""
     import dataclasses
 
     from batchinfer.checkpoint.loader import model_config_from_hf
@@ -235,7 +236,7 @@ def test_real_widths_exactness_on_gpu(preset, quant):
     cfg = dataclasses.replace(cfg, num_hidden_layers=4, layer_types=cfg.layer_types[:4])
     w = random_weights(cfg, device="cuda", scheme=quant)
     ref = QwenMoeModel(cfg, w, dtype=torch.float32)
-    seqs = _random_prompts(cfg.vocab_size, [288, 300, 260, 290])
+    seqs = _random_prompts(cfg.vocab_size, [288, 300, 260, 290, 256, 310, 280, 312])
     result = engine_exactness(KernelModel(cfg, w), ref, seqs)
     assert result.passed, result
 

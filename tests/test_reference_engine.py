@@ -278,12 +278,12 @@ def test_gpu_engine_matches_cpu(ckpt, engine):
         TextRequest(i, prompt=p, sampling=SamplingParams(max_tokens=16)) for i, p in enumerate(PROMPTS)
     ]
     cpu = run(engine, requests)
-    bf16 = load_engine(ckpt, device="cuda")
+    bf16 = load_engine(ckpt, device="cuda", engine="reference")
     assert (bf16.describe()["device"], bf16.describe()["dtype"]) == ("cuda:0", "bfloat16")
     assert all(
         r.finish_reason in ("length", "stop") and r.output_tokens for r in run(bf16, requests).values()
     )
-    gpu = run(load_engine(ckpt, device="cuda", dtype="float32"), requests)
+    gpu = run(load_engine(ckpt, device="cuda", dtype="float32", engine="reference"), requests)
     assert {i: r.token_ids for i, r in gpu.items()} == {i: r.token_ids for i, r in cpu.items()}
 
 

@@ -58,7 +58,7 @@ def engine_exactness(
     model: KernelModel,
     reference: QwenMoeModel,
     sequences: Sequence[Sequence[int]],
-    decode_tail: int = 16,
+    decode_tail: int = 32,
     max_rel_l2: float = MAX_REL_L2,
     min_top1: float = MIN_TOP1,
     bf16_reference: QwenMoeModel | None = None,
