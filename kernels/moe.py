@@ -11,8 +11,7 @@ weight sigmoid(shared_gate logit)) -> one of three paths (by entry count, `_moe_
   where BLOCK_M=16 tensor-core tiles would be mostly padding): no alignment; gate_up one program per
   (entry, column tile, K split), down one per (token, column tile, slot split) with the routing
   weights and the top-k sum fused; GEMVs on CUDA cores that decode two E2M1 codes per integer op
-  (`_e2m1_pair`) and apply each 16-code block scale once per group sum (with `f16`, the products
-  in fp16x2 through inline PTX, x scaled into fp16's range per K step);
+  (`_e2m1_pair`) and apply each 16-code block scale once per group sum;
 - many entries (prefill): the experts decoded to bf16 once, then `torch._grouped_mm`
   (`moe_grouped_mm.py`).
 Weights are stacked at load (`moe_weights.stack_moe_weights`): NVFP4 `uint8 [E', 2I, D/2]` (gate rows then up
@@ -64,7 +63,6 @@ class MoEDecodeConfig:
 
     gate_up: tuple[int, int, int, int]
     down: tuple[int, int, int, int]
-    f16: bool = False  # fp16x2 products (`_group_dot_f16`): ~40% fewer instructions a code; a tuner candidate
 
 
 # Entries (tokens x slots) up to which NVFP4 experts take the decode path: 32 tokens of 9 slots. A
@@ -298,60 +296,6 @@ def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x
     return acc + c8 * x8 + c9 * x9 + c10 * x10 + c11 * x11 + c12 * x12 + c13 * x13 + c14 * x14 + c15 * x15
 
 
-# The decode path's group dot in fp16x2 (`_group_dot_f16`): per pair of codes (P, P + 4) of a 32-bit word,
-# the shifts and masks of `_e2m1_pair` build both fp16 halves at once, then one packed FMA with the
-# matching x pair; a group's 16 products are summed in one fp16x2 register (8 a half), then in fp32.
-_PAIR_PTX = (("shl.b32 a, {w}, 9;", "shl.b32 b, {w}, 12;"), ("shl.b32 a, {w}, 5;", "shl.b32 b, {w}, 8;"),
-             ("shl.b32 a, {w}, 1;", "shl.b32 b, {w}, 4;"), ("shr.b32 a, {w}, 3;", "mov.b32 b, {w};"))
-_GROUP_DOT_BODY = "".join(
-    f"{ma.format(w=w)} {sg.format(w=w)} and.b32 a, a, 0x0E000E00; and.b32 b, b, 0x80008000; "
-    f"or.b32 t, a, b; fma.rn.f16x2 acc, t, ${3 + 4 * j + P}, acc; "
-    for j, w in enumerate(("$1", "$2"))
-    for P, (ma, sg) in enumerate(_PAIR_PTX)
-)
-_GROUP_DOT_PTX = tl.constexpr(
-    "{ .reg .b32 a, b, t, acc; .reg .b16 lo, hi; .reg .f32 f0, f1; mov.b32 acc, 0; " + _GROUP_DOT_BODY
-    + "mov.b32 {lo, hi}, acc; cvt.f32.f16 f0, lo; cvt.f32.f16 f1, hi; add.f32 f0, f0, f1; mov.b32 $0, f0; }"
-)
-
-
-@triton.jit
-def _half(x2, HI: tl.constexpr):
-    """One fp16 half of a packed uint32 pair, as fp32."""
-    h = (x2 >> 16) if HI else (x2 & 0xFFFF)
-    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _group_dot_f16(w_ptrs, mask, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, INTERPRET: tl.constexpr):
-    """`_group_dot` with fp16 products: x pairs packed as uint32 (`xa_P` = x[P] | x[P + 4] << 16, `xb_P` =
-    x[8 + P] | x[12 + P] << 16, fp16 bits, [1, BG]), 16 products summed in fp16x2 (PTX), times 2^-14. The
-    interpreter has no inline PTX: it unpacks the x pairs and runs `_group_dot` (fp32 products)."""
-    if INTERPRET:
-        return _group_dot(w_ptrs, mask,  #
-                          _half(xa0, False), _half(xa1, False), _half(xa2, False), _half(xa3, False),  #
-                          _half(xa0, True), _half(xa1, True), _half(xa2, True), _half(xa3, True),  #
-                          _half(xb0, False), _half(xb1, False), _half(xb2, False), _half(xb3, False),  #
-                          _half(xb0, True), _half(xb1, True), _half(xb2, True), _half(xb3, True))
-    w = tl.load(w_ptrs, mask=mask, other=0)
-    wa = w.to(tl.uint32)
-    wb = (w >> 32).to(tl.uint32)
-    z = tl.zeros_like(wa)  # the x pairs broadcast over the rows (adding zero compiles to nothing)
-    r = tl.inline_asm_elementwise(
-        _GROUP_DOT_PTX, "=r,r,r,r,r,r,r,r,r,r,r",
-        [wa, wb, xa0 + z, xa1 + z, xa2 + z, xa3 + z, xb0 + z, xb1 + z, xb2 + z, xb3 + z],
-        dtype=tl.uint32, is_pure=True, pack=1,
-    )
-    return r.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _f16_pair(lo, hi):
-    """Two fp32 [1, BG] vectors -> their fp16 bits packed as uint32 (lo in the low half)."""
-    lo16 = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    return lo16 | (hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
-
-
 @triton.jit
 def _e4m3(s):
     """uint8 E4M3 bits -> fp32 value times 2^-8 (fp16 bit construction, exact)."""
@@ -361,14 +305,9 @@ def _e4m3(s):
 
 @triton.jit
 def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
-               BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2,  #
-               F16: tl.constexpr, INTERPRET: tl.constexpr):
+               BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2):
     """One K step of `_group_dot` times the block scales for rows `rows` (and, with TWO, rows + ROW2
-    of the same weight, sharing the x loads): returns ([BN, BG], [BN, BG]) fp32 times 2^-22.
-
-    F16: `_group_dot_f16`, x scaled by a power of two for the step so that max |x| is 2^12 (fp16 sums
-    of 8 products stay below 12; products of terms down to 2^-11 of the largest stay normal), the scale
-    taken back out of the fp32 group sums."""
+    of the same weight, sharing the x loads): returns ([BN, BG], [BN, BG]) fp32 times 2^-22."""
     groups = g0 + tl.arange(0, BLOCK_G)
     mask_g = groups < G
     mask = mask_n[:, None] & mask_g[None, :]
@@ -390,26 +329,6 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,
     x15 = _x_at(x_row, groups, 15, G, mask_g, X_PMAJOR)
     offs_w = rows[:, None] * stride_wn + groups[None, :]
     offs_s = rows[:, None] * stride_sn + groups[None, :]
-    if F16:
-        m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-        m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
-        m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9)), tl.abs(x10)))
-        m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(x11), tl.abs(x12)), tl.abs(x13)))
-        m = tl.maximum(m, tl.maximum(tl.abs(x14), tl.abs(x15)))
-        e = tl.math.ceil(tl.math.log2(tl.maximum(tl.max(m), 1e-30)))
-        sx, inv = tl.math.exp2(12.0 - e), tl.math.exp2(e - 12.0)
-        xa0, xa1 = _f16_pair(x0 * sx, x4 * sx), _f16_pair(x1 * sx, x5 * sx)
-        xa2, xa3 = _f16_pair(x2 * sx, x6 * sx), _f16_pair(x3 * sx, x7 * sx)
-        xb0, xb1 = _f16_pair(x8 * sx, x12 * sx), _f16_pair(x9 * sx, x13 * sx)
-        xb2, xb3 = _f16_pair(x10 * sx, x14 * sx), _f16_pair(x11 * sx, x15 * sx)
-        p = _group_dot_f16(w_base + offs_w, mask, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, INTERPRET)
-        p = p * (_e4m3(tl.load(s_base + offs_s, mask=mask, other=0)) * inv)
-        q = p
-        if TWO:
-            q = _group_dot_f16(w_base + ROW2 * stride_wn + offs_w, mask,  #
-                               xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, INTERPRET)
-            q = q * (_e4m3(tl.load(s_base + ROW2 * stride_sn + offs_s, mask=mask, other=0)) * inv)
-        return p, q
     p = _group_dot(w_base + offs_w, mask,  #
                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
     p = p * _e4m3(tl.load(s_base + offs_s, mask=mask, other=0))
@@ -443,7 +362,7 @@ def _moe_decode_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
     NUMEL, N, G, A_DIV,  #
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
     """out[entry] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for one entry, BLOCK_N columns n and one
@@ -463,7 +382,7 @@ def _moe_decode_gate_up_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     for g0 in range(pid_s * per_split, tl.minimum(G, (pid_s + 1) * per_split), BLOCK_G):
         p, q = _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
-                          BLOCK_G, False, True, N, F16, INTERPRET)
+                          BLOCK_G, False, True, N)
         acc_g += p
         acc_u += q
     gate_up = tl.join(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))  # [BN, 2]
@@ -486,7 +405,7 @@ def _moe_decode_down_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr, ws_ptr, lock_ptr,  #
     T, N, G, A,  #
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
     """out[t, n] = sum over the token's A slots of route_w * (x[entry] . down_e[n]) (this program: one of
@@ -506,8 +425,7 @@ def _moe_decode_down_kernel(
         e = tl.load(ids_ptr + entry).to(tl.int64)
         x_row = x_ptr + entry.to(tl.int64) * stride_xm
         p, _ = _gemv_step(x_row, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, mask_n,  #
-                          (i % steps) * BLOCK_G, G, stride_wn, stride_sn, BLOCK_G, True, False, 0,  #
-                          F16, INTERPRET)
+                          (i % steps) * BLOCK_G, G, stride_wn, stride_sn, BLOCK_G, True, False, 0)
         out += tl.sum(p, axis=1) * (tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 4194304.0)
     last = True
     if SPLIT > 1:
@@ -540,7 +458,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
         t * a, inter_n, d // 16, a,  #
         h.stride(0), w13.stride(0), w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1),  #
         inter.stride(0),  #
-        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, F16=cfg.f16, INTERPRET=interpreting(),  #
+        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=1,  #
     )
     block_n, block_g, warps, split = cfg.down
@@ -553,7 +471,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
         t, d, inter_n // 16, a,  #
         inter.stride(0), w2.stride(0), w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1),  #
         out.stride(0),  #
-        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, F16=cfg.f16, INTERPRET=interpreting(),  #
+        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=1,  #
     )
     return out

@@ -111,27 +111,6 @@ MOE_DECODE_DOWN = [
 ]
 
 
-# The same with fp16x2 products (`MoEDecodeConfig.f16`): one warp, 2 groups a step, many rows a thread
-# (sm_90 SASS: 4.3-4.7 instructions a code against 7.8-8.2 for the fp32 table configs).
-MOE_DECODE_GATE_UP_F16 = [
-    (256, 2, 1, 4),
-    (256, 2, 1, 1),
-    (256, 2, 1, 2),
-    (256, 2, 1, 8),
-    (512, 2, 1, 4),
-    (128, 2, 1, 4),
-    (256, 2, 2, 4),
-]
-MOE_DECODE_DOWN_F16 = [
-    (256, 2, 1, 3),
-    (256, 2, 1, 1),
-    (256, 2, 1, 9),
-    (512, 2, 1, 3),
-    (256, 4, 1, 3),
-    (128, 2, 1, 3),
-]
-
-
 def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, int]:
     """(time of `moe_experts` under a config, entries, experts) on one layer with 8 rotating inputs."""
     cfg = bench_models()[model]
@@ -189,19 +168,13 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
             return float("inf")
 
     timings = {}
-    for f16, gate_ups, downs in (
-        (False, MOE_DECODE_GATE_UP, MOE_DECODE_DOWN),
-        (True, MOE_DECODE_GATE_UP_F16, MOE_DECODE_DOWN_F16),
-    ):
-        sweep = {}
-        for tiles in gate_ups:
-            c = MoEDecodeConfig(tiles, downs[0], f16)
-            sweep[c] = run(c)
-        gate_up = min(sweep, key=sweep.get).gate_up
-        for tiles in downs:
-            c = MoEDecodeConfig(gate_up, tiles, f16)
-            sweep[c] = sweep[c] if c in sweep else run(c)
-        timings |= sweep
+    for tiles in MOE_DECODE_GATE_UP:
+        c = MoEDecodeConfig(tiles, MOE_DECODE_DOWN[0])
+        timings[c] = run(c)
+    gate_up = min(timings, key=timings.get).gate_up
+    for tiles in MOE_DECODE_DOWN:
+        c = MoEDecodeConfig(gate_up, tiles)
+        timings[c] = timings[c] if c in timings else run(c)
     best = min(timings, key=timings.get)
     grouped = _moe_configs(numel, experts, nvfp4=False)  # the grouped table's choice at this size
     return {
