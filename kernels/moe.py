@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
+from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import _decode_nvfp4_tile, bf16_rne, interpreting, split_k_locks
@@ -72,7 +73,7 @@ DECODE_MAX_ENTRIES = 288
 # first guess; `tune_kernels --kinds moe` times this path beside the fused kernels at each T.
 GROUPED_MM_MIN_ENTRIES = 8192
 
-MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig
+MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig | MoETCConfig
 
 
 def _moe_configs(numel: int, experts: int, nvfp4: bool = True) -> MoEPath:
@@ -489,7 +490,9 @@ def moe_experts(
 
     NVFP4 experts at up to DECODE_MAX_ENTRIES entries take the decode path, from GROUPED_MM_MIN_ENTRIES
     the grouped-GEMM path (`moe_grouped_mm`), others the fused grouped GEMMs; `config` overrides the
-    table (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEGroupedMMConfig` the other."""
+    table (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEGroupedMMConfig` the grouped-GEMM
+    path, `MoETCConfig` the tensor-core kernels of `moe_tc` (which need experts in its paired layout, and
+    are not in the table until timed on the H200)."""
     t, d = h.shape
     if h.dtype != torch.bfloat16 or d != w.hidden or h.stride(1) != 1:
         raise ValueError(f"h: expected bfloat16 [T, {w.hidden}] with unit column stride, got {h.dtype} "
@@ -503,7 +506,12 @@ def moe_experts(
         return torch.zeros_like(h)
     experts = w.w13.shape[0]
     cfg = config or _moe_configs(numel, experts, w.nvfp4)
+    if w.paired != isinstance(cfg, MoETCConfig):
+        raise ValueError(f"{type(cfg).__name__}: experts in the {'paired' if w.paired else 'standard'} "
+                         "layout; MoETCConfig alone reads (and needs) the paired one (pair_moe_weights)")
     rw = route_w.contiguous().view(-1).float()
+    if isinstance(cfg, MoETCConfig):
+        return moe_experts_tc(h, ids, rw, w, cfg)
     if isinstance(cfg, MoEDecodeConfig):
         if not w.nvfp4:
             raise ValueError("MoEDecodeConfig: the decode path needs NVFP4 experts, got bf16")
@@ -526,6 +534,8 @@ def fused_moe(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> 
 
 
 def _expert_weights_f32(w: MoEWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if w.paired:
+        raise ValueError("the references read the standard NVFP4 layout; pass the experts before pairing")
     if not w.nvfp4:
         return w.w13[e].float(), w.w2[e].float()
     i = w.intermediate

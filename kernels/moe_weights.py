@@ -25,6 +25,7 @@ class MoEWeights:
     w2_tensor_scale: torch.Tensor | None  # fp32 [E']
     num_experts: int  # routed experts E
     has_shared: bool
+    paired: bool = False  # NVFP4 codes in `moe_tc`'s paired layout (`moe_tc.pair_moe_weights`)
 
     @property
     def nvfp4(self) -> bool:

@@ -1,10 +1,11 @@
 """Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
 
-Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds nvfp4,fp8,moe,moe_decode`);
-the winners go by hand into `_nvfp4_gemm_configs` / `_fp8_gemm_configs` / `_moe_configs` (and
-`DECODE_MAX_ENTRIES`, from where the decode path stops beating the grouped GEMMs). Logs one line per
-(kernel, shape, M) with the best config next to the current table's choice (and, for the linears,
-cuBLAS bf16 on the same shape; for the MoE decode path, the grouped GEMMs at the same T).
+Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds
+nvfp4,fp8,moe,moe_decode,moe_tc`); the winners go by hand into `_nvfp4_gemm_configs` / `_fp8_gemm_configs`
+/ `_moe_configs` (and `DECODE_MAX_ENTRIES`, from where the decode path stops beating the grouped GEMMs).
+Logs one line per (kernel, shape, M) with the best config next to the current table's choice (and, for
+the linears, cuBLAS bf16 on the same shape; for the MoE decode path, the grouped GEMMs at the same T;
+for the tensor-core MoE kernels of `moe_tc`, not yet in the table, whatever the table runs at that T).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from batchinfer.kernels.moe import (
     moe_experts,
     moe_route,
 )
+from batchinfer.kernels.moe_tc import MoETCConfig, pair_moe_weights
 from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
 
 log = logging.getLogger(__name__)
@@ -112,15 +114,18 @@ MOE_DECODE_DOWN = [
 
 
 def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, int]:
-    """(time of `moe_experts` under a config, entries, experts) on one layer with 8 rotating inputs."""
+    """(time of `moe_experts` under a config, entries, experts) on one layer with 8 rotating inputs; an
+    `MoETCConfig` runs on the same experts in `moe_tc`'s paired layout."""
     cfg = bench_models()[model]
     w = moe_layer(cfg, dev)
+    paired = pair_moe_weights(w)
     hs = [torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for _ in range(8)]
     shared = cfg.shared_expert_intermediate_size > 0
     routes = [moe_route(h @ w.router.t(), cfg.num_experts, cfg.num_experts_per_tok, True, shared) for h in hs]
 
     def run(c: MoEPath) -> float:
-        return time_per_call(lambda i: moe_experts(hs[i], *routes[i], w, config=c), len(hs), budget_s=0.05)
+        ws = paired if isinstance(c, MoETCConfig) else w
+        return time_per_call(lambda i: moe_experts(hs[i], *routes[i], ws, config=c), len(hs), budget_s=0.05)
 
     return run, routes[0][0].numel(), w.w13.shape[0]
 
@@ -190,6 +195,49 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
     }
 
 
+# Tensor-core MoE (`moe_tc`): BLOCK_M (tokens a tile), then (BLOCK_N, warps, stages) per GEMM. BLOCK_N 64
+# a warpgroup (the sm_90 TTGIR keeps the decoded weight in registers for 64 rows on 4 warps, 128 on 8).
+MOE_TC_TILES = [(64, 4, 3), (64, 4, 4), (64, 4, 2), (128, 8, 3), (128, 8, 4)]
+MOE_TC_TOKENS = [1, 8, 32, 128, 256, 512, 1024, 2048]
+
+
+def tune_moe_tc(model: str, t: int, dev: torch.device) -> dict:
+    """`moe_tc`'s kernels: gate_up tiles with the first down tile, then down tiles with the best gate_up,
+    per BLOCK_M; beside them the path the table takes at this T (decode path, fused grouped GEMMs or
+    grouped_mm)."""
+    timer, numel, experts = _moe_timer(model, t, dev)
+
+    def run(c: MoEPath) -> float:
+        try:
+            return timer(c)
+        except Exception as e:  # a config that does not fit (registers, shared memory) is skipped
+            log.warning("%s: %s", c, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+            return float("inf")
+
+    timings: dict[MoEPath, float] = {}
+    for bm in (16, 32, 64):
+        sweep = {MoETCConfig(bm, tiles, MOE_TC_TILES[0]): 0.0 for tiles in MOE_TC_TILES}
+        for c in sweep:
+            sweep[c] = timings[c] = run(c)
+        gate_up = min(sweep, key=sweep.get).gate_up
+        for tiles in MOE_TC_TILES:
+            c = MoETCConfig(bm, gate_up, tiles)
+            timings[c] = timings[c] if c in timings else run(c)
+    best = min(timings, key=timings.get)
+    table = _moe_configs(numel, experts)
+    return {
+        "kind": "moe_tc",
+        "model": model,
+        "t": t,
+        "entries": numel,
+        "best": dataclasses.astuple(best),
+        "best_us": timings[best] * 1e6,
+        "table": [type(table).__name__, dataclasses.astuple(table)],
+        "table_us": run(table) * 1e6,
+        "timings": [[dataclasses.astuple(c), v * 1e6] for c, v in timings.items()],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -205,17 +253,22 @@ def main() -> None:
     dev = torch.device("cuda")
     results = []
     for kind in args.kinds.split(","):
-        if kind in ("moe", "moe_decode"):
-            tune, tokens = (tune_moe, MOE_TOKENS) if kind == "moe" else (tune_moe_decode, MOE_DECODE_TOKENS)
+        if kind in ("moe", "moe_decode", "moe_tc"):
+            tune, tokens = {
+                "moe": (tune_moe, MOE_TOKENS),
+                "moe_decode": (tune_moe_decode, MOE_DECODE_TOKENS),
+                "moe_tc": (tune_moe_tc, MOE_TC_TOKENS),
+            }[kind]
             tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else tokens
             for model in args.models.split(","):
                 for t in tokens:
                     r = tune(model, t, dev)
-                    other = (
-                        f"grouped {r['grouped_us']:.1f} us"
-                        if kind == "moe_decode"
-                        else f"table {r['table_us']:.1f} us; grouped_mm {r['grouped_mm_us']:.1f} us"
-                    )
+                    if kind == "moe_decode":
+                        other = f"grouped {r['grouped_us']:.1f} us"
+                    elif kind == "moe":
+                        other = f"table {r['table_us']:.1f} us; grouped_mm {r['grouped_mm_us']:.1f} us"
+                    else:
+                        other = f"table ({r['table'][0]}) {r['table_us']:.1f} us"
                     log.info(
                         "%s %s T=%d: best %s %.1f us; %s", kind, model, t, r["best"], r["best_us"], other
                     )

@@ -1,0 +1,194 @@
+"""NVFP4 MoE experts on the tensor cores for mid-size batches: the weight is the MMA's A operand.
+
+Why: between the decode path (a GEMV per (token, expert) entry on CUDA cores, which decodes an expert
+once per entry) and prefill sizes (experts decoded to bf16 once, then `torch._grouped_mm`), the fused
+grouped GEMMs of `moe.py` decode each weight tile in a blocked layout and move it through shared memory
+into the MMA operand layout. Here the product is computed transposed, `out^T [BN, BM] = W [BN, K] @
+x^T [K, BM]`: weight rows fill the MMA's M (64 a warpgroup), the tokens of one expert its N (16-32), so
+one expert's weights are read and decoded once for all its tokens, and, with the decode an elementwise
+chain from the loaded bytes, Triton loads the packed codes into shared memory (cp.async, 4 bits a code)
+and from there straight into the wgmma register operand layout, decoding in registers (checked in the
+sm_90 TTGIR: no shared-memory copy of the decoded weight).
+
+That needs one block scale per row for each K=16 MMA, so the codes are repacked once (`pair_groups`):
+within each 32-code block of a row (two 16-code scale groups A, B) byte j holds A's code j in its low
+nibble and B's code j in its high nibble. A step loads 16 bytes a row; the low nibbles are group A in K
+order (one MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]).
+
+Decode (`_weight`, inline PTX on pairs of bytes): the code's sign goes to bit 15 and its three magnitude
+bits to bits 6-8 of a bf16 (code * 2^-126, E2M1's subnormal 0.5 included), times the block scale as a
+bf16 of e4m3 * 2^100 (one bf16x2 multiply a pair): code * scale * 2^-26, exact in bf16 (at most 6
+significant bits, far from the range limits); the epilogue multiplies by the tensor scale * 2^26. sm_90
+SASS (Triton 3.6): 7.8 (gate_up) and 9.7 (down) instructions a code a thread at BLOCK_N 64 on 4 warps,
+each code serving every token of its tile. Entries are grouped by expert with `moe_align` (BLOCK_M-padded,
+as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a sum over each
+token's slots finishes. Not in `moe._moe_configs`' table until timed on the H200 (`tune_kernels --kinds
+moe_tc`); the engine's experts stay in the standard layout meanwhile. Against `moe_experts_ref` (fp32)
+expect the bf16 rounding of the intermediates, ~1e-3..1e-2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from batchinfer.kernels.moe_align import moe_align
+from batchinfer.kernels.moe_weights import MoEWeights
+from batchinfer.kernels.nvfp4_gemm import bf16_rne, interpreting
+
+
+@dataclass(frozen=True, slots=True)
+class MoETCConfig:
+    """BLOCK_M (tokens a tile, also the alignment), then per GEMM (BLOCK_N, num_warps, num_stages)."""
+
+    block_m: int
+    gate_up: tuple[int, int, int]
+    down: tuple[int, int, int]
+
+
+def pair_groups(packed: torch.Tensor) -> torch.Tensor:
+    """NVFP4 codes `uint8 [..., K/2]` (byte j: code 2j low, 2j+1 high) -> the paired layout (module
+    docstring) of the same shape. K must be a multiple of 32."""
+    k = packed.shape[-1] * 2
+    if k % 32:
+        raise ValueError(f"pair_groups: K = {k} codes a row must be a multiple of 32")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k // 32, 2, 16)
+    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(packed.shape)
+
+
+def pair_moe_weights(w: MoEWeights) -> MoEWeights:
+    """`w` with both expert stacks in the paired layout, for `moe_experts_tc`."""
+    if not w.nvfp4 or w.paired:
+        raise ValueError("pair_moe_weights: expected NVFP4 experts in the standard layout")
+    return dataclasses.replace(w, w13=pair_groups(w.w13), w2=pair_groups(w.w2), paired=True)
+
+
+def _ptx(sh_m: int, sh_s: int) -> str:
+    """Two bytes (one MMA operand pair: consecutive K of a row) -> two bf16 codes * 2^-126 of one nibble:
+    spread to [b0, 0, b1, 0], magnitude bits shifted to 6-8, sign to 15 (Triton's integer ops on uint8
+    tensors spend ~1.3x the instructions: PRMTs to widen each byte, then 16-bit shifts)."""
+    return ("{ .reg .b32 t, u, v; prmt.b32 t, $1, 0, 0x4140; " f"shl.b32 u, t, {sh_m}; shl.b32 v, t, {sh_s}; "
+            "and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $0, u, v; }")
+
+
+_LO_PTX = tl.constexpr(_ptx(6, 12))
+_HI_PTX = tl.constexpr(_ptx(2, 8))
+
+
+@triton.jit
+def _scale(s):
+    """e4m3 bits (uint8) -> bf16 value * 2^100 (exact: fp16 bit construction gives value * 2^-8)."""
+    s = s.to(tl.int32)
+    f = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (f * 3.2451855365842673e32).to(tl.bfloat16)  # * 2^108
+
+
+@triton.jit
+def _weight(b, s, HI: tl.constexpr, INTERPRET: tl.constexpr):
+    """[BN, 16] codes of one nibble times their rows' scales [BN, 1]: bf16 code * scale * 2^-26. The
+    interpreter runs no PTX and flushes bf16 subnormals, so there the codes are built as fp16 (code *
+    2^-14) and multiplied in fp32 (the same values)."""
+    if INTERPRET:
+        if HI:
+            c = ((b & 0x80) << 8) | ((b & 0x70) << 5)
+        else:
+            c = ((b & 0x8) << 12) | ((b & 0x7) << 9)
+        code = c.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return code * s.to(tl.float32) * 1.925929944387236e-34  # * 2^-112
+    ptx: tl.constexpr = _HI_PTX if HI else _LO_PTX
+    c = tl.inline_asm_elementwise(ptx, "=r,r", [b.to(tl.uint8)], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return c * s
+
+
+@triton.jit
+def _pair_step(w_ptrs, s_ptrs, mask_n, xa, xb, acc, INTERPRET: tl.constexpr):
+    """acc + W[:, k : k+32] @ x^T for one 32-code block: 16 bytes a row, two K=16 MMAs."""
+    b = tl.load(w_ptrs, mask=mask_n[:, None], other=0).to(tl.int32)
+    sa = _scale(tl.load(s_ptrs, mask=mask_n, other=0))[:, None]
+    sb = _scale(tl.load(s_ptrs + 1, mask=mask_n, other=0))[:, None]
+    acc = tl.dot(_weight(b, sa, False, INTERPRET), xa, acc)
+    return tl.dot(_weight(b, sb, True, INTERPRET), xb, acc)
+
+
+@triton.jit
+def _moe_tc_kernel(
+    a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, route_w_ptr,  #
+    sorted_ptr, block_expert_ptr, num_padded_ptr,  #
+    NUMEL, N, K, A_DIV,  #
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GATE_UP: tl.constexpr, INTERPRET: tl.constexpr,  #
+):
+    """GATE_UP: out[entry, n] = silu(gate[n] . a[tok]) * (up[n] . a[tok]), tok = entry // A_DIV.
+    Else (down): out[entry, n] = route_w[entry] * (w[n] . a[entry]). One expert's BLOCK_M entries and
+    BLOCK_N rows n a program; accumulators are [BLOCK_N, BLOCK_M] (rows x entries)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = entry < NUMEL
+    a_rows = tl.where(valid, entry // A_DIV, 0).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < N
+    j = tl.arange(0, 16)
+    w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + j[None, :]
+    s_ptrs = s_ptr + e * stride_se + rows * stride_sn
+    x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [16, BLOCK_M]: x^T
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K, 32):
+        xa = tl.load(x_ptrs + k, mask=valid[None, :], other=0.0)
+        xb = tl.load(x_ptrs + k + 16, mask=valid[None, :], other=0.0)
+        if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
+            xa, xb = xa.to(tl.float32), xb.to(tl.float32)
+        acc = _pair_step(w_ptrs + k // 2, s_ptrs + k // 16, mask_n, xa, xb, acc, INTERPRET)
+        if GATE_UP:
+            acc_up = _pair_step(w_ptrs + N * stride_wn + k // 2, s_ptrs + N * stride_sn + k // 16, mask_n,
+                                xa, xb, acc_up, INTERPRET)
+    if GATE_UP:
+        acc = acc * (tl.load(ts_ptr + e * 2) * 67108864.0)  # tensor scale * 2^26
+        acc_up = acc_up * (tl.load(ts_ptr + e * 2 + 1) * 67108864.0)
+        acc = acc * tl.sigmoid(acc) * acc_up
+    else:
+        acc = acc * (tl.load(ts_ptr + e) * 67108864.0)
+        acc = acc * tl.load(route_w_ptr + entry, mask=valid, other=0.0)[None, :]
+    out_ptrs = out_ptr + entry.to(tl.int64)[None, :] * stride_om + rows[:, None]
+    tl.store(out_ptrs, bf16_rne(acc, INTERPRET), mask=valid[None, :] & mask_n[:, None])
+
+
+def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_expert, num_padded,
+            numel: int, a_div: int, cfg: MoETCConfig) -> None:
+    wt, st = (w.w13, w.w13_scale) if gate_up else (w.w2, w.w2_scale)
+    ts = w.w13_tensor_scale if gate_up else w.w2_tensor_scale
+    n = w.intermediate if gate_up else w.hidden
+    block_n, warps, stages = cfg.gate_up if gate_up else cfg.down
+    _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
+        a, wt, st, ts, out, route_w,  #
+        sorted_ids, block_expert, num_padded,  #
+        numel, n, a.shape[1], a_div,  #
+        a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), out.stride(0),  #
+        BLOCK_N=block_n, BLOCK_M=cfg.block_m, GATE_UP=gate_up, INTERPRET=interpreting(),  #
+        num_warps=warps, num_stages=stages,  #
+    )
+
+
+def moe_experts_tc(
+    h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: MoEWeights, cfg: MoETCConfig
+) -> torch.Tensor:
+    """`moe.moe_experts` on the tensor cores: `h [T, D]` bf16, `ids`/`route_w [T, A']`, paired NVFP4
+    experts (`pair_moe_weights`) -> `[T, D]` bf16. Checks are `moe_experts`'s; D and I multiples of 32."""
+    if not w.paired:
+        raise ValueError("moe_experts_tc: expected experts in the paired layout (pair_moe_weights)")
+    t, d = h.shape
+    a_slots = ids.shape[1]
+    numel = t * a_slots
+    sorted_ids, block_expert, num_padded = moe_align(ids, w.w13.shape[0], cfg.block_m)
+    inter = torch.empty((numel, w.intermediate), dtype=torch.bfloat16, device=h.device)
+    y = torch.empty((numel, d), dtype=torch.bfloat16, device=h.device)
+    _launch(h, w, True, inter, route_w, sorted_ids, block_expert, num_padded, numel, a_slots, cfg)
+    _launch(inter, w, False, y, route_w, sorted_ids, block_expert, num_padded, numel, 1, cfg)
+    return y.view(t, a_slots, d).sum(dim=1, dtype=torch.float32).to(torch.bfloat16)

@@ -1,0 +1,132 @@
+"""The tensor-core MoE kernels (`moe_tc`) against the fp32 reference; CPU (interpreter), real GPU shapes."""
+
+import pytest
+import torch
+from batchinfer.kernels.moe import MoEDecodeConfig, moe_experts, moe_experts_ref, moe_route
+from batchinfer.kernels.moe_tc import MoETCConfig, pair_groups, pair_moe_weights
+from test_kernels_moe import DEVICE, _rel, _route, _weights
+
+CFGS = [
+    MoETCConfig(16, (16, 1, 1), (16, 1, 1)),
+    MoETCConfig(32, (64, 4, 2), (64, 4, 2)),  # I = 96 not a multiple of the tile: masked rows
+]
+
+
+def test_pairing_moves_every_code_to_its_slot():
+    """Byte j of each 32-code block: code j of the first scale group (low nibble), code 16 + j (high)."""
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (3, 5, 32), dtype=torch.uint8, generator=g)  # K = 64 codes a row
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(3, 5, 64)
+    paired = pair_groups(packed)
+    block = paired.reshape(3, 5, 2, 16)
+    assert torch.equal(block & 0xF, codes.reshape(3, 5, 2, 2, 16)[:, :, :, 0])
+    assert torch.equal(block >> 4, codes.reshape(3, 5, 2, 2, 16)[:, :, :, 1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pair_groups(packed[..., :8])
+
+
+@pytest.mark.parametrize("cfg", CFGS)
+@pytest.mark.parametrize("shared", [True, False])
+def test_tensor_core_path_matches_reference(monkeypatch, cfg, shared):
+    w = _weights(6, 64, 96 if cfg.block_m == 32 else 32, True, shared, seed=51)
+    t, a = 5, 2 + shared
+    ids, route_w, g = _route(t, a, 6 + shared, seed=52)
+    ids[1:, 0] = ids[0, 0]  # one expert serving every token: a tile of several entries
+    h = torch.randn(t, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    paired = pair_moe_weights(w)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *s, **k: real_empty(*s, **k).fill_(float("nan"))
+                        if k.get("dtype") == torch.bfloat16 else real_empty(*s, **k))  # poison outputs
+    out = moe_experts(h, ids, route_w, paired, config=cfg)
+    assert out.shape == (t, 64) and out.dtype == torch.bfloat16
+    ref = moe_experts_ref(h, ids, route_w, w)
+    assert _rel(out, ref) < 5e-3
+    decode = moe_experts(h, ids, route_w, w, config=MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1)))
+    assert _rel(out, decode) < 5e-3
+
+
+def test_tensor_core_path_covers_the_scale_and_code_range():
+    """Extreme block scales (e4m3 subnormal and near max) and every E2M1 code, incl. the subnormal 0.5."""
+    g = torch.Generator().manual_seed(3)
+    w = _weights(2, 32, 32, True, False, seed=61)
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # every byte: all code pairs
+    w.w13[:] = codes.repeat(4, 1)[: w.w13.shape[1]].to(DEVICE)
+    e4m3 = torch.tensor([2 ** -9, 2 ** -6, 1.0, 448.0]).to(torch.float8_e4m3fn).view(torch.uint8)
+    w.w13_scale[:] = e4m3[torch.randint(0, 4, tuple(w.w13_scale.shape), generator=g)].to(DEVICE)
+    ids, route_w, g = _route(3, 2, 2, seed=62)
+    h = torch.randn(3, 32, generator=g).to(torch.bfloat16).to(DEVICE)
+    out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=CFGS[0])
+    assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+def test_layouts_are_not_mixed_up():
+    w = _weights(4, 64, 32, True, False, seed=71)
+    ids, route_w, g = _route(2, 2, 4, seed=72)
+    h = torch.randn(2, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="paired"):
+        moe_experts(h, ids, route_w, w, config=CFGS[0])
+    paired = pair_moe_weights(w)
+    with pytest.raises(ValueError, match="paired"):
+        moe_experts(h, ids, route_w, paired)  # the table's path reads the standard layout
+    with pytest.raises(ValueError, match="standard"):
+        pair_moe_weights(paired)
+    with pytest.raises(ValueError, match="standard NVFP4 layout"):
+        moe_experts_ref(h, ids, route_w, paired)
+    with pytest.raises(ValueError, match="standard"):
+        pair_moe_weights(_weights(4, 64, 32, False, False, seed=73))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 8, 32, 256, 1024])
+@pytest.mark.parametrize(("e", "d", "i", "shared"), [(256, 2048, 512, True), (128, 2048, 768, False)])
+def test_tensor_core_path_real_shapes(t, e, d, i, shared):
+    w = _weights(e, d, i, True, shared, seed=t + e)
+    g = torch.Generator().manual_seed(t)
+    h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids, route_w = moe_route(h @ w.router.t(), e, 8, True, shared)
+    for cfg in (MoETCConfig(16, (64, 4, 3), (64, 4, 3)), MoETCConfig(32, (128, 8, 3), (128, 8, 3))):
+        out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
+        assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+def _run_ptx(ptx: str, src: int) -> int:
+    """A model of the few PTX instructions `moe_tc`'s decode uses (the interpreter cannot run inline PTX):
+    32-bit prmt (byte select, selector nibbles 0-3 from a, 4-7 from b), shl, and, or. Returns $0."""
+    regs = {"$1": src}
+    val = lambda t: int(t, 0) if t[0].isdigit() else regs[t]
+    for ins in ptx.strip("{} ").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        d, *a = [x.strip() for x in rest.split(",")]
+        if op == "prmt.b32":
+            pool = val(a[0]) | val(a[1]) << 32
+            regs[d] = sum(((pool >> 8 * ((val(a[2]) >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "shl.b32":
+            regs[d] = (val(a[0]) << val(a[1])) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[d] = val(a[0]) & val(a[1])
+        elif op == "or.b32":
+            regs[d] = val(a[0]) | val(a[1])
+        else:
+            raise AssertionError(f"instruction the test does not model: {ins}")
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("hi", [False, True])
+def test_decode_ptx_builds_the_bf16_codes(hi):
+    """For every byte pair, the PTX gives bf16 bits worth E2M1(code) * 2^-126 of the chosen nibble, byte 0
+    in the low half (upper source bits, which the 16-bit load leaves undefined, ignored)."""
+    from batchinfer.kernels import moe_tc
+    from batchinfer.kernels.nvfp4 import E2M1_VALUES
+
+    ptx = (moe_tc._HI_PTX if hi else moe_tc._LO_PTX).value
+    for b0 in range(256):
+        for b1 in range(0, 256, 7):
+            out = _run_ptx(ptx, b0 | b1 << 8 | 0xA5A5 << 16)
+            halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16)
+            got = halves.view(torch.bfloat16).double() * 2.0**126
+            want = E2M1_VALUES[[(b >> 4) if hi else (b & 0xF) for b in (b0, b1)]].double()
+            assert torch.equal(got, want), (b0, b1, got, want)
