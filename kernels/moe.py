@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
-from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc
+from batchinfer.kernels.moe_tc import MoETCConfig, _e4m3, moe_experts_tc
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import _decode_nvfp4_tile, bf16_rne, interpreting, split_k_locks
@@ -267,10 +267,14 @@ def _e2m1_pair(w, P: tl.constexpr):
 
 
 @triton.jit
-def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr):
-    """x[16 g + P] for the K groups `groups` (fp32); X_PMAJOR rows are stored as [16, G]."""
+def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAIRED: tl.constexpr):
+    """The x of code P of the int64 `groups` of a row (fp32): x[16 g + P]; in the paired layout (`moe_tc`:
+    int64 g holds codes 8r..8r+7 of the pair's groups A (even P) and B (odd P), r = g % 2) x[16 g - 8 r +
+    P // 2 + 16 (P % 2)]. X_PMAJOR rows are stored as [16, G] in that order (the gate_up kernel's store)."""
     if X_PMAJOR:
         offs = P * G + groups
+    elif PAIRED:
+        offs = groups * 16 - (groups % 2) * 8 + (P // 2 + 16 * (P % 2))
     else:
         offs = groups * 16 + P
     return tl.load(x_row + offs, mask=mask_g, other=0.0).to(tl.float32)[None, :]
@@ -278,10 +282,11 @@ def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr):
 
 @triton.jit
 def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    """Per (row, group): sum over the group's 16 codes of code * x, [BN, BG] fp32 (times 2^-14).
+    """Per (row, int64 of 16 codes): sums of code * x over its even and its odd codes, ([BN, BG], [BN, BG])
+    fp32 (times 2^-14); in the paired layout they belong to different scale groups.
 
-    `w_ptrs` [BN, BG] point at each group's 16 codes as one int64 (codes 0-7 in the low word): one
-    2-D load contiguous along the groups, which Triton lays out with the groups across the threads."""
+    `w_ptrs` [BN, BG] point at 16 codes each as one int64 (codes 0-7 in the low word): one 2-D load
+    contiguous along the groups, which Triton lays out with the groups across the threads."""
     w = tl.load(w_ptrs, mask=mask, other=0)
     wa = w.to(tl.uint32)
     wb = (w >> 32).to(tl.uint32)
@@ -289,56 +294,61 @@ def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x
     c1, c5 = _e2m1_pair(wa, 1)
     c2, c6 = _e2m1_pair(wa, 2)
     c3, c7 = _e2m1_pair(wa, 3)
-    acc = c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3 + c4 * x4 + c5 * x5 + c6 * x6 + c7 * x7
+    even = c0 * x0 + c2 * x2 + c4 * x4 + c6 * x6
+    odd = c1 * x1 + c3 * x3 + c5 * x5 + c7 * x7
     c8, c12 = _e2m1_pair(wb, 0)
     c9, c13 = _e2m1_pair(wb, 1)
     c10, c14 = _e2m1_pair(wb, 2)
     c11, c15 = _e2m1_pair(wb, 3)
-    return acc + c8 * x8 + c9 * x9 + c10 * x10 + c11 * x11 + c12 * x12 + c13 * x13 + c14 * x14 + c15 * x15
+    even = even + c8 * x8 + c10 * x10 + c12 * x12 + c14 * x14
+    return even, odd + c9 * x9 + c11 * x11 + c13 * x13 + c15 * x15
 
 
 @triton.jit
-def _e4m3(s):
-    """uint8 E4M3 bits -> fp32 value times 2^-8 (fp16 bit construction, exact)."""
-    s = s.to(tl.int32)
-    return (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _scaled(even, odd, s_ptrs, groups, mask, PAIRED: tl.constexpr):
+    """The two sums of `_group_dot` times their block scales (times 2^-22): one scale per int64 (its
+    group), or in the paired layout the pair's two (A for the even codes, B for the odd)."""
+    if PAIRED:
+        first = s_ptrs - (groups % 2)[None, :]
+        sa = _e4m3(tl.load(first, mask=mask, other=0))
+        return even * sa + odd * _e4m3(tl.load(first + 1, mask=mask, other=0))
+    return (even + odd) * _e4m3(tl.load(s_ptrs, mask=mask, other=0))
 
 
 @triton.jit
 def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
-               BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2):
+               BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2, PAIRED: tl.constexpr):
     """One K step of `_group_dot` times the block scales for rows `rows` (and, with TWO, rows + ROW2
     of the same weight, sharing the x loads): returns ([BN, BG], [BN, BG]) fp32 times 2^-22."""
     groups = g0 + tl.arange(0, BLOCK_G)
     mask_g = groups < G
     mask = mask_n[:, None] & mask_g[None, :]
-    x0 = _x_at(x_row, groups, 0, G, mask_g, X_PMAJOR)
-    x1 = _x_at(x_row, groups, 1, G, mask_g, X_PMAJOR)
-    x2 = _x_at(x_row, groups, 2, G, mask_g, X_PMAJOR)
-    x3 = _x_at(x_row, groups, 3, G, mask_g, X_PMAJOR)
-    x4 = _x_at(x_row, groups, 4, G, mask_g, X_PMAJOR)
-    x5 = _x_at(x_row, groups, 5, G, mask_g, X_PMAJOR)
-    x6 = _x_at(x_row, groups, 6, G, mask_g, X_PMAJOR)
-    x7 = _x_at(x_row, groups, 7, G, mask_g, X_PMAJOR)
-    x8 = _x_at(x_row, groups, 8, G, mask_g, X_PMAJOR)
-    x9 = _x_at(x_row, groups, 9, G, mask_g, X_PMAJOR)
-    x10 = _x_at(x_row, groups, 10, G, mask_g, X_PMAJOR)
-    x11 = _x_at(x_row, groups, 11, G, mask_g, X_PMAJOR)
-    x12 = _x_at(x_row, groups, 12, G, mask_g, X_PMAJOR)
-    x13 = _x_at(x_row, groups, 13, G, mask_g, X_PMAJOR)
-    x14 = _x_at(x_row, groups, 14, G, mask_g, X_PMAJOR)
-    x15 = _x_at(x_row, groups, 15, G, mask_g, X_PMAJOR)
+    x0 = _x_at(x_row, groups, 0, G, mask_g, X_PMAJOR, PAIRED)
+    x1 = _x_at(x_row, groups, 1, G, mask_g, X_PMAJOR, PAIRED)
+    x2 = _x_at(x_row, groups, 2, G, mask_g, X_PMAJOR, PAIRED)
+    x3 = _x_at(x_row, groups, 3, G, mask_g, X_PMAJOR, PAIRED)
+    x4 = _x_at(x_row, groups, 4, G, mask_g, X_PMAJOR, PAIRED)
+    x5 = _x_at(x_row, groups, 5, G, mask_g, X_PMAJOR, PAIRED)
+    x6 = _x_at(x_row, groups, 6, G, mask_g, X_PMAJOR, PAIRED)
+    x7 = _x_at(x_row, groups, 7, G, mask_g, X_PMAJOR, PAIRED)
+    x8 = _x_at(x_row, groups, 8, G, mask_g, X_PMAJOR, PAIRED)
+    x9 = _x_at(x_row, groups, 9, G, mask_g, X_PMAJOR, PAIRED)
+    x10 = _x_at(x_row, groups, 10, G, mask_g, X_PMAJOR, PAIRED)
+    x11 = _x_at(x_row, groups, 11, G, mask_g, X_PMAJOR, PAIRED)
+    x12 = _x_at(x_row, groups, 12, G, mask_g, X_PMAJOR, PAIRED)
+    x13 = _x_at(x_row, groups, 13, G, mask_g, X_PMAJOR, PAIRED)
+    x14 = _x_at(x_row, groups, 14, G, mask_g, X_PMAJOR, PAIRED)
+    x15 = _x_at(x_row, groups, 15, G, mask_g, X_PMAJOR, PAIRED)
     offs_w = rows[:, None] * stride_wn + groups[None, :]
     offs_s = rows[:, None] * stride_sn + groups[None, :]
-    p = _group_dot(w_base + offs_w, mask,  #
-                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-    p = p * _e4m3(tl.load(s_base + offs_s, mask=mask, other=0))
+    even, odd = _group_dot(w_base + offs_w, mask,  #
+                           x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    p = _scaled(even, odd, s_base + offs_s, groups, mask, PAIRED)
+    q = p
     if TWO:
-        q = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask,
-                       x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-        q = q * _e4m3(tl.load(s_base + ROW2 * stride_sn + offs_s, mask=mask, other=0))
-    else:
-        q = p
+        even, odd = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask,
+                               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        q = _scaled(even, odd, s_base + ROW2 * stride_sn + offs_s, groups, mask, PAIRED)
     return p, q
 
 
@@ -363,12 +373,13 @@ def _moe_decode_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
     NUMEL, N, G, A_DIV,  #
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
     """out[entry] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for one entry, BLOCK_N columns n and one
     of SPLIT ranges of K, with tok = entry // A_DIV; stored K-group-major ([16, N / 16]: column n at
-    (n % 16) * N/16 + n // 16), the order in which the down kernel reads its x."""
+    (n % 16) * N/16 + n // 16, or the paired layout's order (`_x_at`)), the order in which the down
+    kernel reads its x."""
     entry = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -383,7 +394,7 @@ def _moe_decode_gate_up_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     for g0 in range(pid_s * per_split, tl.minimum(G, (pid_s + 1) * per_split), BLOCK_G):
         p, q = _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
-                          BLOCK_G, False, True, N)
+                          BLOCK_G, False, True, N, PAIRED)
         acc_g += p
         acc_u += q
     gate_up = tl.join(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))  # [BN, 2]
@@ -397,7 +408,11 @@ def _moe_decode_gate_up_kernel(
         gate = gate * (tl.load(ts_ptr + e * 2) * 4194304.0)
         up = up * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
         act = bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
-        cols = (rows % 16) * (N // 16) + rows // 16
+        if PAIRED:  # column n = 32 q + 16 grp + 8 r + i is code P = 2 i + grp of int64 g = 2 q + r
+            a = rows % 16
+            cols = (2 * (a % 8) + (rows % 32) // 16) * (N // 16) + 2 * (rows // 32) + a // 8
+        else:
+            cols = (rows % 16) * (N // 16) + rows // 16
         tl.store(out_ptr + entry.to(tl.int64) * stride_om + cols, act, mask=mask_n)
 
 
@@ -406,7 +421,7 @@ def _moe_decode_down_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr, ws_ptr, lock_ptr,  #
     T, N, G, A,  #
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
     """out[t, n] = sum over the token's A slots of route_w * (x[entry] . down_e[n]) (this program: one of
@@ -426,7 +441,8 @@ def _moe_decode_down_kernel(
         e = tl.load(ids_ptr + entry).to(tl.int64)
         x_row = x_ptr + entry.to(tl.int64) * stride_xm
         p, _ = _gemv_step(x_row, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, mask_n,  #
-                          (i % steps) * BLOCK_G, G, stride_wn, stride_sn, BLOCK_G, True, False, 0)
+                          (i % steps) * BLOCK_G, G, stride_wn, stride_sn, BLOCK_G, True, False, 0,  #
+                          PAIRED)
         out += tl.sum(p, axis=1) * (tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 4194304.0)
     last = True
     if SPLIT > 1:
@@ -459,7 +475,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
         t * a, inter_n, d // 16, a,  #
         h.stride(0), w13.stride(0), w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1),  #
         inter.stride(0),  #
-        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, INTERPRET=interpreting(),  #
+        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, PAIRED=w.paired, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=1,  #
     )
     block_n, block_g, warps, split = cfg.down
@@ -472,7 +488,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
         t, d, inter_n // 16, a,  #
         inter.stride(0), w2.stride(0), w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1),  #
         out.stride(0),  #
-        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, INTERPRET=interpreting(),  #
+        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, PAIRED=w.paired, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=1,  #
     )
     return out
@@ -506,9 +522,10 @@ def moe_experts(
         return torch.zeros_like(h)
     experts = w.w13.shape[0]
     cfg = config or _moe_configs(numel, experts, w.nvfp4)
-    if w.paired != isinstance(cfg, MoETCConfig):
-        raise ValueError(f"{type(cfg).__name__}: experts in the {'paired' if w.paired else 'standard'} "
-                         "layout; MoETCConfig alone reads (and needs) the paired one (pair_moe_weights)")
+    if isinstance(cfg, MoETCConfig) and not w.paired:
+        raise ValueError("MoETCConfig: expected experts in the paired layout (moe_tc.pair_moe_weights)")
+    if isinstance(cfg, MoEConfig) and w.paired:
+        raise ValueError("MoEConfig: the fused grouped GEMMs read the standard layout, not the paired one")
     rw = route_w.contiguous().view(-1).float()
     if isinstance(cfg, MoETCConfig):
         return moe_experts_tc(h, ids, rw, w, cfg)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels.moe_tc import dequantize_paired_rows
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4_gemm import bf16_rne, dequantize_rows, interpreting
 from batchinfer.kernels.small_ops import silu_mul
@@ -34,7 +35,8 @@ def dequantize_experts(w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
         e, n, kb = packed.shape
         out = torch.empty((e, n, 2 * kb), dtype=torch.bfloat16, device=packed.device)
         rows_per_scale = n // ts[0].numel()  # gate and up matrices (w13) or the whole down matrix (w2)
-        dequantize_rows(
+        dequant = dequantize_paired_rows if w.paired else dequantize_rows
+        dequant(
             packed.view(e * n, kb), scale.reshape(e * n, -1), ts, rows_per_scale, out.view(e * n, -1)
         )
         mats.append(out)

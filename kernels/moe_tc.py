@@ -79,11 +79,26 @@ _HI_PTX = tl.constexpr(_ptx(2, 8))
 
 
 @triton.jit
-def _scale(s):
-    """e4m3 bits (uint8) -> bf16 value * 2^100 (exact: fp16 bit construction gives value * 2^-8)."""
+def _code_f32(b, HI: tl.constexpr):
+    """Bytes (int32) -> fp32 code * 2^-14 of their low or (HI) high nibble (fp16 bit construction)."""
+    if HI:
+        c = ((b & 0x80) << 8) | ((b & 0x70) << 5)
+    else:
+        c = ((b & 0x8) << 12) | ((b & 0x7) << 9)
+    return c.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3(s):
+    """e4m3 bits (uint8) -> fp32 value * 2^-8 (fp16 bit construction, exact)."""
     s = s.to(tl.int32)
-    f = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return (f * 3.2451855365842673e32).to(tl.bfloat16)  # * 2^108
+    return (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale(s):
+    """e4m3 bits (uint8) -> bf16 value * 2^100 (exact)."""
+    return (_e4m3(s) * 3.2451855365842673e32).to(tl.bfloat16)  # * 2^108
 
 
 @triton.jit
@@ -92,12 +107,7 @@ def _weight(b, s, HI: tl.constexpr, INTERPRET: tl.constexpr):
     interpreter runs no PTX and flushes bf16 subnormals, so there the codes are built as fp16 (code *
     2^-14) and multiplied in fp32 (the same values)."""
     if INTERPRET:
-        if HI:
-            c = ((b & 0x80) << 8) | ((b & 0x70) << 5)
-        else:
-            c = ((b & 0x8) << 12) | ((b & 0x7) << 9)
-        code = c.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        return code * s.to(tl.float32) * 1.925929944387236e-34  # * 2^-112
+        return _code_f32(b, HI) * s.to(tl.float32) * 1.925929944387236e-34  # * 2^-112
     ptx: tl.constexpr = _HI_PTX if HI else _LO_PTX
     c = tl.inline_asm_elementwise(ptx, "=r,r", [b.to(tl.uint8)], dtype=tl.bfloat16, is_pure=True, pack=2)
     return c * s
@@ -173,6 +183,50 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
         a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), out.stride(0),  #
         BLOCK_N=block_n, BLOCK_M=cfg.block_m, GATE_UP=gate_up, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=stages,  #
+    )
+
+
+@triton.jit
+def _dequant_paired_kernel(
+    w_ptr, s_ptr, ts_ptr, out_ptr,  #
+    N, PAIRS, TS_ROWS,  #
+    stride_wn, stride_sn, stride_on,  #
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRET: tl.constexpr,  #
+):
+    """Paired rows [BLOCK_N, BLOCK_P 32-code blocks] -> bf16 (as `nvfp4_gemm._nvfp4_dequant_kernel`)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    j = tl.arange(0, 16)
+    mask_rp = (rows < N)[:, None] & (pairs < PAIRS)[None, :]
+    mask = mask_rp[:, :, None]
+    byte = pairs[None, :, None] * 16 + j[None, None, :]  # [1, P, 16]
+    b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask, other=0).to(tl.int32)
+    s_ptrs = s_ptr + rows[:, None] * stride_sn + 2 * pairs[None, :]
+    ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None, None] * 4194304.0
+    for hi in tl.static_range(2):  # group A (low nibbles), then B
+        sf = _e4m3(tl.load(s_ptrs + hi, mask=mask_rp, other=0))
+        val = bf16_rne(_code_f32(b, hi == 1) * sf[:, :, None] * ts, INTERPRET)
+        k = pairs[None, :, None] * 32 + 16 * hi + j[None, None, :]
+        tl.store(out_ptr + rows[:, None, None] * stride_on + k, val, mask=mask)
+
+
+def dequantize_paired_rows(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    tensor_scale: torch.Tensor,
+    ts_rows: int,
+    out: torch.Tensor,
+) -> None:
+    """`nvfp4_gemm.dequantize_rows` for rows in the paired layout: `packed [N, K/2]`, `block_scale [N, K/16]`
+    (e4m3 bits) -> bf16 `out [N, K]`, row r times `tensor_scale.view(-1)[r // ts_rows]`."""
+    n, kb = packed.shape
+    block_n, block_p = (16, 4) if interpreting() else (32, 16)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(kb // 16, block_p))
+    _dequant_paired_kernel[grid](
+        packed, block_scale.view(torch.uint8), tensor_scale.reshape(-1), out,  #
+        n, kb // 16, ts_rows,  #
+        packed.stride(0), block_scale.stride(0), out.stride(0),  #
+        BLOCK_N=block_n, BLOCK_P=block_p, INTERPRET=interpreting(), num_warps=4,  #
     )
 
 

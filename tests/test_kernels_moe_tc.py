@@ -2,7 +2,15 @@
 
 import pytest
 import torch
-from batchinfer.kernels.moe import MoEDecodeConfig, moe_experts, moe_experts_ref, moe_route
+from batchinfer.kernels.moe import (
+    MoEConfig,
+    MoEDecodeConfig,
+    MoEGroupedMMConfig,
+    moe_experts,
+    moe_experts_ref,
+    moe_route,
+)
+from batchinfer.kernels.moe_grouped_mm import dequantize_experts
 from batchinfer.kernels.moe_tc import MoETCConfig, pair_groups, pair_moe_weights
 from test_kernels_moe import DEVICE, _rel, _route, _weights
 
@@ -59,6 +67,32 @@ def test_tensor_core_path_covers_the_scale_and_code_range():
     assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
 
 
+@pytest.mark.parametrize(
+    "cfg", [MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1)), MoEDecodeConfig((32, 4, 2, 3), (64, 2, 1, 2))]
+)
+def test_decode_path_reads_the_paired_layout(cfg):
+    """The GEMV decode path on paired experts: two scale groups an int64, x gathered to match, the
+    gate_up output stored in the order the down kernel reads (K = 64 and 96: one and a half pairs of
+    int64 per K step at BLOCK_G 2 and 4, and splits)."""
+    w = _weights(5, 64, 96, True, True, seed=81)
+    ids, route_w, g = _route(4, 3, 6, seed=82)
+    h = torch.randn(4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    ours = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
+    assert _rel(ours, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+    assert _rel(ours, moe_experts(h, ids, route_w, w, config=cfg)) < 1e-3
+
+
+def test_paired_experts_decode_to_the_same_bf16():
+    """The grouped-GEMM path's expert decode reads the paired layout to the very same bf16 weights."""
+    w = _weights(3, 64, 96, True, True, seed=91)
+    for ours, theirs in zip(dequantize_experts(pair_moe_weights(w)), dequantize_experts(w), strict=True):
+        assert torch.equal(ours.cpu(), theirs.cpu())
+    ids, route_w, g = _route(3, 2, 4, seed=92)
+    h = torch.randn(3, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=MoEGroupedMMConfig())
+    assert torch.equal(out.cpu(), moe_experts(h, ids, route_w, w, config=MoEGroupedMMConfig()).cpu())
+
+
 def test_layouts_are_not_mixed_up():
     w = _weights(4, 64, 32, True, False, seed=71)
     ids, route_w, g = _route(2, 2, 4, seed=72)
@@ -67,7 +101,7 @@ def test_layouts_are_not_mixed_up():
         moe_experts(h, ids, route_w, w, config=CFGS[0])
     paired = pair_moe_weights(w)
     with pytest.raises(ValueError, match="paired"):
-        moe_experts(h, ids, route_w, paired)  # the table's path reads the standard layout
+        moe_experts(h, ids, route_w, paired, config=MoEConfig(16, (64, 64, 4, 1), (64, 64, 4, 1)))
     with pytest.raises(ValueError, match="standard"):
         pair_moe_weights(paired)
     with pytest.raises(ValueError, match="standard NVFP4 layout"):
