@@ -84,3 +84,24 @@ def test_production_chunk(monkeypatch, D, block_v):
     out = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, 150, config=cfg)
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
     assert rel_err(out, ref) < 1e-2 and rel_err(state, ref_final) < 1e-2
+
+
+@pytest.mark.gpu
+def test_fla_core_computes_the_same_rule_gpu():
+    """The fla-core peer of the kernel benchmark (skipped without fla-core): same inputs, same outputs and
+    final states as our kernel and the fp32 reference, so its timings compare like with like."""
+    from batchinfer.bench.kernel_cases_attn import fla_chunk_rule, fla_prefill
+
+    fla_rule = fla_chunk_rule()
+    if fla_rule is None:
+        pytest.skip("fla-core is not installed")
+    lens = [1000, 1, 300, 64]
+    cu = torch.tensor([0, 1000, 1001, 1301, 1365], dtype=torch.int32, device=DEV)
+    q, k, v, a, b, A_log, dt_bias = _inputs(1365, 16, 32, 128, slow_decay=True)
+    state = torch.empty((len(lens), 32, 128, 128), device=DEV)
+    ours = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, torch.arange(4, device=DEV), cu, 1000)
+    packed = [x.contiguous() for x in (q, k, v, a, b)]
+    theirs, final = fla_prefill(fla_rule, *packed, A_log, dt_bias, cu)
+    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
+    assert rel_err(theirs, ref) < 1e-2 and rel_err(final, ref_final) < 1e-2
+    assert rel_err(theirs, ours) < 1e-2 and rel_err(final, state) < 1e-2

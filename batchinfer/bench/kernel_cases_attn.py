@@ -126,8 +126,41 @@ def _gdn_decode(cfg: ModelConfig, batch: int, state_dtype: torch.dtype, dev: tor
     )
 
 
+def fla_chunk_rule() -> Callable | None:
+    """fla-core's `chunk_gated_delta_rule` (issue 5's candidate peer for the chunked DeltaNet prefill), or
+    None where fla-core is not installed (it is no dependency of ours)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+    except ImportError:
+        return None
+    return fla_rule
+
+
+def fla_prefill(
+    fla_rule: Callable,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla-core on our raw inputs (packed `[T, H, D]`), computing what `chunk_gated_delta_rule` does: q/k L2
+    norm, sigmoid(b), the decay from A_log and dt_bias all inside its kernels, GVA heads, final states
+    out. Returns (o `[T, Hv, Dv]`, final states `[N, Hv, Dk, Dv]` fp32)."""
+    o, ht = fla_rule(
+        q[None], k[None], v[None], a[None], b[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+        cu_seqlens=cu_seqlens.long(),
+    )
+    return o[0], ht
+
+
 def _gdn_prefill(cfg: ModelConfig, tokens: int, chunked: bool, dev: torch.device) -> Timed:
-    """Sequences of 1024 tokens from a zero state: the chunked kernel, or the token recurrence."""
+    """Sequences of 1024 tokens from a zero state: the chunked kernel (beside fla-core's, where installed,
+    on contiguous copies of the same inputs), or the token recurrence."""
     Hk, Hv, Dk, Dv = _gdn_shapes(cfg)
     seqs = max(1, tokens // 1024)
     cu = torch.linspace(0, tokens, seqs + 1, device=dev).round().to(torch.int32)
@@ -139,8 +172,13 @@ def _gdn_prefill(cfg: ModelConfig, tokens: int, chunked: bool, dev: torch.device
     A_log, dt_bias = torch.rand(Hv, device=dev), torch.randn(Hv, device=dev)
     state = torch.empty(seqs, Hv, Dk, Dv, device=dev)
     slots = torch.arange(seqs, device=dev)
+    baselines = {}
     if chunked:
         run = lambda i: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu, 1024)
+        fla_rule = fla_chunk_rule()
+        if fla_rule is not None:
+            qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+            baselines["fla"] = lambda i: fla_prefill(fla_rule, qc, kc, vc, a, b, A_log, dt_bias, cu)
     else:
         run = lambda i: gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu)
     return Timed(
@@ -148,6 +186,7 @@ def _gdn_prefill(cfg: ModelConfig, tokens: int, chunked: bool, dev: torch.device
         n_sets=1,
         bytes=2 * mixed.numel() + 2 * tokens * Hv * Dv + state.numel() * 4,
         flops=tokens * Hv * Dk * Dv * 7,
+        baselines=baselines,
     )
 
 
