@@ -168,6 +168,21 @@ def test_cli_tiny_preset(tmp_path):
     assert doc["results"]["pairs"] == 16 and doc["model"]["model"].startswith("preset tiny-sam3")
 
 
+def test_cli_fp8_vit_is_recorded(tmp_path):
+    """`--vit fp8` runs the fast path with FP8 ViT linears through the lock (tiny random weights on the CPU:
+    mean mask IoU 0.98) and records it; real shapes are the H200 run's to check (docs/PERF_IMAGES.md)."""
+    wl = tmp_path / "w.json"
+    wl.write_text(json.dumps(SMALL))
+    out = tmp_path / "r.json"
+    args = ["bench", "images", "--workload", "images-4p", "--preset", "tiny-sam3", "--random", "--vit", "fp8"]
+    res = CliRunner().invoke(
+        cli, [*args, "--workloads", str(wl), "--batch-size", "2", "--lock-images", "2", "--json", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert "ViT linears fp8" in res.output and "accuracy lock passed" in res.output
+    assert json.loads(out.read_text())["engine"]["vit_linears"] == "fp8"
+
+
 def test_cli_usage_errors(tmp_path):
     res = CliRunner().invoke(cli, ["bench", "images", "--workload", "images-1p", "--preset", "sam3"])
     assert res.exit_code == 2 and "--random" in res.output

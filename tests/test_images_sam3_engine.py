@@ -47,3 +47,15 @@ def test_sam3_job_on_cpu(tmp_path):
 def test_sam3_engine_needs_a_model():
     with pytest.raises(ConfigError, match="needs --model"):
         load_engine("")
+
+
+def test_sam3_engine_fp8_vit(tmp_path):
+    """`--engine-arg vit=fp8` swaps the ViT's (aligned) linears and says so; other values are refused."""
+    from batchinfer.sam3.fp8 import FP8Linear
+
+    ckpt = write_random_sam3(tmp_path / "tiny.safetensors", Sam3Config.tiny(), 0)
+    engine = load_engine(str(ckpt), batch_size="2", vit="fp8")
+    assert engine.describe()["quantization"] == "float32, ViT linears fp8"
+    assert any(isinstance(m, FP8Linear) for m in engine.segmenter.modules())
+    with pytest.raises(ConfigError, match="vit='int4'"):
+        load_engine(str(ckpt), vit="int4")

@@ -356,9 +356,12 @@ def run_images_benchmark(
     """The result document: our end-to-end figures, the lock, the time split, then the peer (built by
     `peer()` only now, after our figures; its failure is recorded as `peer_error`). The warm-up runs
     one batch of images (`warmup_images`, default `batch_size`) untimed first."""
+    from batchinfer.sam3.fp8 import FP8Linear
+
     encoded = encode_png(workload.images)
-    engine = SegmenterEngine(model, {"engine": "batchinfer sam3", "dtype": str(model._param().dtype),
-                                     "device": str(device)}, batch_size=batch_size)  # fmt: skip
+    facts = {"engine": "batchinfer sam3", "dtype": str(model._param().dtype), "device": str(device),
+             "vit_linears": "fp8" if any(isinstance(m, FP8Linear) for m in model.modules()) else "as dtype"}
+    engine = SegmenterEngine(model, facts, batch_size=batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         warm = min(batch_size if warmup_images is None else warmup_images, len(encoded))
         if warm:
@@ -423,7 +426,8 @@ def format_result(doc: dict[str, Any]) -> list[str]:
     lines = [
         f"workload {doc['workload']}{f' (deviations: {dev})' if dev else ''}, score threshold "
         f"{doc['score_threshold']}, {doc['environment']['device']}, commit {doc['environment']['commit']}",
-        f"ours ({doc['engine']['dtype']}, batch {doc['engine']['batch_size']}): {r['images']} images, "
+        f"ours ({doc['engine']['dtype']}, ViT linears {doc['engine'].get('vit_linears', 'as dtype')}, "
+        f"batch {doc['engine']['batch_size']}): {r['images']} images, "
         f"{r['pairs']} pairs, {r['instances']} instances in {r['wall_s']:.2f} s: {r['images_per_s']:.1f} "
         f"images/s, {r['pairs_per_s']:.1f} pairs/s, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB",
         f"  model only {split['model_images_per_s']:.1f} images/s, backbone only "

@@ -311,6 +311,13 @@ def format_result(result: dict) -> list[str]:
 @click.option(
     "--dtype", type=click.Choice(["bf16", "fp32"]), help="Our fast path [default: bf16 on GPU, fp32 on CPU]."
 )
+@click.option(
+    "--vit",
+    type=click.Choice(["bf16", "fp8"]),
+    default="bf16",
+    show_default=True,
+    help="The ViT's linears in --dtype, or on FP8 weights and activations (batchinfer/sam3/fp8.py).",
+)
 @click.option("--batch-size", default=16, show_default=True, type=int, help="Images per model call.")
 @click.option(
     "--score-threshold", default=0.5, show_default=True, type=float, help="Instances kept (job default)."
@@ -345,6 +352,7 @@ def images(
     seed: int,
     device: str,
     dtype: str | None,
+    vit: str,
     batch_size: int,
     score_threshold: float,
     max_images: int | None,
@@ -392,6 +400,10 @@ def images(
         state = {k.removeprefix("detector."): v for k, v in random_sam3_state_dict(config, seed).items()}
         info = {"model": f"preset {preset} (random weights, seed {seed})"}
     model, reference = build_models(state, config, dev, run_dtype)
+    if vit == "fp8":
+        from batchinfer.sam3.fp8 import use_fp8_vit
+
+        use_fp8_vit(model)
     meta = None
     if peer == "meta":
         from batchinfer.bench.meta_sam3_peer import MetaSam3Peer

@@ -2,7 +2,9 @@
 
 `batchinfer segment --model sam3.pt|model.safetensors` uses it by default; `--engine-arg` picks
 `batch_size` (images per model call; the model batches their (image, prompt) pairs itself), `device`
-(default cuda when there is one, else cpu) and `dtype` (default bfloat16 on cuda, float32 on cpu).
+(default cuda when there is one, else cpu), `dtype` (default bfloat16 on cuda, float32 on cpu) and
+`vit` (`bf16`, the default: the ViT's linears in `dtype`; `fp8`: on E4M3 weights and activations,
+`batchinfer/sam3/fp8.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_engine(model_path: str, batch_size: str = "8", device: str = "", dtype: str = "") -> SegmenterEngine:
+def load_engine(
+    model_path: str, batch_size: str = "8", device: str = "", dtype: str = "", vit: str = "bf16"
+) -> SegmenterEngine:
     """`FACTORY(model_path, **engine_args)` for `--engine batchinfer.images.sam3_engine:load_engine`."""
     from batchinfer.sam3.model import Sam3Model
 
@@ -29,11 +33,17 @@ def load_engine(model_path: str, batch_size: str = "8", device: str = "", dtype:
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--engine-arg dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    if vit not in ("bf16", "fp8"):
+        raise ConfigError(f"--engine-arg vit={vit!r}: expected bf16 or fp8")
     model = Sam3Model.from_checkpoint(model_path, device=device, dtype=DTYPES[dtype])
+    if vit == "fp8":
+        from batchinfer.sam3.fp8 import use_fp8_vit
+
+        use_fp8_vit(model)
     facts = {
         "engine": "sam3",
         "model": str(model_path),
-        "quantization": dtype,
+        "quantization": dtype if vit == "bf16" else f"{dtype}, ViT linears fp8",
         "device": device,
         "image_size": str(model.config.image_size),
         "mask_threshold": "0.5",  # sigmoid of the upsampled mask logits (Meta's Sam3Processor)

@@ -1,0 +1,51 @@
+"""Per-row dynamic FP8 (E4M3) quantization of activations in one pass, for `torch._scaled_mm` with row-wise
+scales (the SAM 3 ViT's FP8 linears, `batchinfer/sam3/fp8.py`).
+
+Why a kernel: in PyTorch ops the same takes four passes over x (abs, row max, divide, cast); here each
+program reads one row once and writes its E4M3 codes and its scale: scale = max|x| / 448 (E4M3's largest
+finite value), code = x / scale rounded to nearest (the GPU's `cvt.rn.satfinite`). On the CPU (tests, the
+reference engine) `quantize_rows_fp8` runs `quantize_rows_fp8_ref`; the Triton interpreter truncates
+where the GPU rounds, so the kernel's CPU test allows one code of difference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+    tl.store(q_ptr + row * stride_q + offs, (x / scale).to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [M, K]` (bf16/fp16/fp32, unit column stride) -> (E4M3 codes `[M, K]`, fp32 scales `[M, 1]`)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x: expected a 2-D tensor with a contiguous last dim, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if not x.is_cuda:
+        return quantize_rows_fp8_ref(x)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block,
+                                num_warps=max(1, min(16, block // 256)))
+    return q, s
+
+
+def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of `quantize_rows_fp8`."""
+    xf = x.float()
+    s = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (xf / s).to(torch.float8_e4m3fn), s
