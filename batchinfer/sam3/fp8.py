@@ -3,9 +3,9 @@
 
 `FP8Linear` keeps the weight in E4M3 with one scale per output row (its max / 448, set at load) and
 quantizes its input per row on the fly (`kernels/fp8_quant.py`, one pass), then `torch._scaled_mm` with
-row-wise scales (cuBLASLt on the GPU; PyTorch's CPU kernel elsewhere) returns bf16; the bias is added
-after. Chosen per engine (`--engine-arg vit=fp8`, `bench images --vit fp8`); the accuracy lock of
-`bench images` compares it with the fp32 reference like any other fast path.
+row-wise scales (CUTLASS on the H200, bias fused; PyTorch's CPU kernel elsewhere) returns bf16. Chosen
+per engine (`--engine-arg vit=fp8`, `bench images --vit fp8`); the accuracy lock of `bench images`
+compares it with the fp32 reference like any other fast path.
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ class FP8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
         q, scale = quantize_rows_fp8(rows if rows.stride(-1) == 1 else rows.contiguous())
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         out = torch._scaled_mm(
-            q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=x.dtype
+            q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=bias, out_dtype=x.dtype
         )
-        if self.bias is not None:
-            out += self.bias
         return out.view(*x.shape[:-1], -1)
 
 
