@@ -4,8 +4,9 @@ scales (the SAM 3 ViT's FP8 linears, `batchinfer/sam3/fp8.py`).
 Why a kernel: in PyTorch ops the same takes four passes over x (abs, row max, divide, cast); here each
 program reads one row once and writes its E4M3 codes and its scale: scale = max|x| / 448 (E4M3's largest
 finite value), code = x / scale rounded to nearest (the GPU's `cvt.rn.satfinite`). On the CPU (tests, the
-reference engine) `quantize_rows_fp8` runs `quantize_rows_fp8_ref`; the Triton interpreter truncates
-where the GPU rounds, so the kernel's CPU test allows one code of difference.
+reference engine) `quantize_rows_fp8` runs `quantize_rows_fp8_ref`. The Triton interpreter's fp32 ->
+E4M3 cast is its own (it truncates, and loses a binade when the mantissa carries), so the kernel's CPU
+test checks the scales exactly and the codes only roughly; its GPU test asks for PyTorch's bits.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: t
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-    tl.store(q_ptr + row * stride_q + offs, (x / scale).to(tl.float8e4nv), mask=mask)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)  # IEEE division, as PyTorch's
+    tl.store(q_ptr + row * stride_q + offs, tl.div_rn(x, scale).to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row, scale)
 
 

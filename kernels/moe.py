@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
-from batchinfer.kernels.moe_tc import MoETCConfig, _e4m3, moe_experts_tc
+from batchinfer.kernels.moe_tc import MoETCConfig, e4m3_to_f32, moe_experts_tc
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import _decode_nvfp4_tile, bf16_rne, interpreting, split_k_locks
@@ -310,9 +310,9 @@ def _scaled(even, odd, s_ptrs, groups, mask, PAIRED: tl.constexpr):
     group), or in the paired layout the pair's two (A for the even codes, B for the odd)."""
     if PAIRED:
         first = s_ptrs - (groups % 2)[None, :]
-        sa = _e4m3(tl.load(first, mask=mask, other=0))
-        return even * sa + odd * _e4m3(tl.load(first + 1, mask=mask, other=0))
-    return (even + odd) * _e4m3(tl.load(s_ptrs, mask=mask, other=0))
+        sa = e4m3_to_f32(tl.load(first, mask=mask, other=0))
+        return even * sa + odd * e4m3_to_f32(tl.load(first + 1, mask=mask, other=0))
+    return (even + odd) * e4m3_to_f32(tl.load(s_ptrs, mask=mask, other=0))
 
 
 @triton.jit
@@ -508,7 +508,8 @@ def moe_experts(
     the grouped-GEMM path (`moe_grouped_mm`), others the fused grouped GEMMs; `config` overrides the
     table (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEGroupedMMConfig` the grouped-GEMM
     path, `MoETCConfig` the tensor-core kernels of `moe_tc` (which need experts in its paired layout, and
-    are not in the table until timed on the H200)."""
+    are not in the table until timed on the H200). Paired experts also run the decode path and the
+    grouped-GEMM path, not the fused grouped GEMMs: between those the table needs an explicit config."""
     t, d = h.shape
     if h.dtype != torch.bfloat16 or d != w.hidden or h.stride(1) != 1:
         raise ValueError(f"h: expected bfloat16 [T, {w.hidden}] with unit column stride, got {h.dtype} "

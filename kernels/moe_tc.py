@@ -4,7 +4,7 @@ Why: between the decode path (a GEMV per (token, expert) entry on CUDA cores, wh
 once per entry) and prefill sizes (experts decoded to bf16 once, then `torch._grouped_mm`), the fused
 grouped GEMMs of `moe.py` decode each weight tile in a blocked layout and move it through shared memory
 into the MMA operand layout. Here the product is computed transposed, `out^T [BN, BM] = W [BN, K] @
-x^T [K, BM]`: weight rows fill the MMA's M (64 a warpgroup), the tokens of one expert its N (16-32), so
+x^T [K, BM]`: weight rows fill the MMA's M (64 a warpgroup), the tokens of one expert its N (16-64), so
 one expert's weights are read and decoded once for all its tokens, and, with the decode an elementwise
 chain from the loaded bytes, Triton loads the packed codes into shared memory (cp.async, 4 bits a code)
 and from there straight into the wgmma register operand layout, decoding in registers (checked in the
@@ -89,7 +89,7 @@ def _code_f32(b, HI: tl.constexpr):
 
 
 @triton.jit
-def _e4m3(s):
+def e4m3_to_f32(s):
     """e4m3 bits (uint8) -> fp32 value * 2^-8 (fp16 bit construction, exact)."""
     s = s.to(tl.int32)
     return (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -98,7 +98,7 @@ def _e4m3(s):
 @triton.jit
 def _scale(s):
     """e4m3 bits (uint8) -> bf16 value * 2^100 (exact)."""
-    return (_e4m3(s) * 3.2451855365842673e32).to(tl.bfloat16)  # * 2^108
+    return (e4m3_to_f32(s) * 3.2451855365842673e32).to(tl.bfloat16)  # * 2^108
 
 
 @triton.jit
@@ -204,7 +204,7 @@ def _dequant_paired_kernel(
     s_ptrs = s_ptr + rows[:, None] * stride_sn + 2 * pairs[None, :]
     ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None, None] * 4194304.0
     for hi in tl.static_range(2):  # group A (low nibbles), then B
-        sf = _e4m3(tl.load(s_ptrs + hi, mask=mask_rp, other=0))
+        sf = e4m3_to_f32(tl.load(s_ptrs + hi, mask=mask_rp, other=0))
         val = bf16_rne(_code_f32(b, hi == 1) * sf[:, :, None] * ts, INTERPRET)
         k = pairs[None, :, None] * 32 + 16 * hi + j[None, None, :]
         tl.store(out_ptr + rows[:, None, None] * stride_on + k, val, mask=mask)
@@ -233,8 +233,9 @@ def dequantize_paired_rows(
 def moe_experts_tc(
     h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: MoEWeights, cfg: MoETCConfig
 ) -> torch.Tensor:
-    """`moe.moe_experts` on the tensor cores: `h [T, D]` bf16, `ids`/`route_w [T, A']`, paired NVFP4
-    experts (`pair_moe_weights`) -> `[T, D]` bf16. Checks are `moe_experts`'s; D and I multiples of 32."""
+    """`moe.moe_experts` on the tensor cores: `h [T, D]` bf16, `ids [T, A']` int32, `route_w` flat fp32
+    `[T * A']`, paired NVFP4 experts (`pair_moe_weights`) -> `[T, D]` bf16. Called by `moe_experts`,
+    which checks the shapes and flattens `route_w`; D and I multiples of 32 (`pair_groups` checks)."""
     if not w.paired:
         raise ValueError("moe_experts_tc: expected experts in the paired layout (pair_moe_weights)")
     t, d = h.shape

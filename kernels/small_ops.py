@@ -176,11 +176,16 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 def add_rmsnorm_ref(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, one_plus: bool
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    one_plus: bool,
+    residual_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 reference of `add_rmsnorm`; returns fp32 (normed, residual sum rounded to residual's dtype,
-    or x's)."""
-    r = x if residual is None else (x.float() + residual.float()).to(residual.dtype)  # reads x, res; writes r
+    """fp32 reference of `add_rmsnorm`; returns fp32 (normed, residual sum in `add_rmsnorm`'s dtype)."""
+    dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    r = (x.float() if residual is None else x.float() + residual.float()).to(dtype)  # reads x, res; writes r
     rf = r.float()
     w = weight.float() + 1.0 if one_plus else weight.float()
     return rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * w, r  # reads r, w; writes out

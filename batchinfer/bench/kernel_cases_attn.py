@@ -128,10 +128,16 @@ def _gdn_decode(cfg: ModelConfig, batch: int, state_dtype: torch.dtype, dev: tor
 
 def fla_chunk_rule() -> Callable | None:
     """fla-core's `chunk_gated_delta_rule` (issue 5's candidate peer for the chunked DeltaNet prefill), or
-    None where fla-core is not installed (it is no dependency of ours)."""
+    None where fla-core is not installed (it is no dependency of ours) or older than 0.6: `fla_prefill`
+    passes the in-kernel gate options as keyword arguments, which 0.6 reads from `**kwargs` and an older
+    version could swallow silently (timing another rule)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
+        if tuple(int(p) for p in version("fla-core").split(".")[:2]) < (0, 6):
+            return None
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
-    except ImportError:
+    except (PackageNotFoundError, ImportError, ValueError):
         return None
     return fla_rule
 

@@ -32,6 +32,7 @@ from batchinfer.kernels.moe import (
     moe_route,
 )
 from batchinfer.kernels.moe_tc import MoETCConfig, pair_moe_weights
+from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
 
 log = logging.getLogger(__name__)
@@ -118,13 +119,15 @@ def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, in
     `MoETCConfig` runs on the same experts in `moe_tc`'s paired layout."""
     cfg = bench_models()[model]
     w = moe_layer(cfg, dev)
-    paired = pair_moe_weights(w)
+    paired: list[MoEWeights] = []  # made on the first MoETCConfig: a second copy of the layer's experts
     hs = [torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for _ in range(8)]
     shared = cfg.shared_expert_intermediate_size > 0
     routes = [moe_route(h @ w.router.t(), cfg.num_experts, cfg.num_experts_per_tok, True, shared) for h in hs]
 
     def run(c: MoEPath) -> float:
-        ws = paired if isinstance(c, MoETCConfig) else w
+        if isinstance(c, MoETCConfig) and not paired:
+            paired.append(pair_moe_weights(w))
+        ws = paired[0] if isinstance(c, MoETCConfig) else w
         return time_per_call(lambda i: moe_experts(hs[i], *routes[i], ws, config=c), len(hs), budget_s=0.05)
 
     return run, routes[0][0].numel(), w.w13.shape[0]

@@ -3,9 +3,9 @@
 
 `FP8Linear` keeps the weight in E4M3 with one scale per output row (its max / 448, set at load) and
 quantizes its input per row on the fly (`kernels/fp8_quant.py`, one pass), then `torch._scaled_mm` with
-row-wise scales (CUTLASS on the H200, bias fused; PyTorch's CPU kernel elsewhere) returns bf16. Chosen
-per engine (`--engine-arg vit=fp8`, `bench images --vit fp8`); the accuracy lock of `bench images`
-compares it with the fp32 reference like any other fast path.
+row-wise scales (on the GPU cuBLASLt or CUTLASS, as PyTorch picks, with the bias fused, bf16 out only;
+PyTorch's CPU kernel elsewhere). Chosen per engine (`--engine-arg vit=fp8`, `bench images --vit fp8`);
+the accuracy lock of `bench images` compares it with the fp32 reference like any other fast path.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from batchinfer.errors import ConfigError
 from batchinfer.kernels.fp8_quant import FP8_MAX, quantize_rows_fp8
 
 
@@ -43,7 +44,10 @@ class FP8Linear(nn.Module):
 def use_fp8_vit(model: nn.Module) -> int:
     """Swap the ViT blocks' linears (qkv, proj, fc1, fc2) of a `Sam3Model` for `FP8Linear`s, in place;
     linears whose widths are not multiples of 16 (tiny test models) stay as they are. Returns how many
-    were swapped."""
+    were swapped. On a GPU the model must be bf16 (PyTorch's row-wise FP8 GEMM writes bf16 only)."""
+    param = next(model.parameters())
+    if param.is_cuda and param.dtype != torch.bfloat16:
+        raise ConfigError(f"FP8 ViT linears on a GPU need the model in bfloat16, got {param.dtype}")
     swapped = 0
     for block in model.backbone.vision_backbone.trunk.blocks:
         for parent, name in (block.attn, "qkv"), (block.attn, "proj"), (block.mlp, "fc1"), (block.mlp, "fc2"):
