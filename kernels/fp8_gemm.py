@@ -24,6 +24,7 @@ from batchinfer.kernels.nvfp4_gemm import (
     check_gemm_out,
     choose_split_k,
     dequant_matmul,
+    e4m3_to_f32,
     interpreting,
     num_sms,
     split_k_locks,
@@ -50,8 +51,7 @@ def _fp8_dequant_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
-    b = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0).to(tl.int32)
-    w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    w = e4m3_to_f32(tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0))
     w = w * (tl.load(scale_ptr) * 256.0)
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(tl.bfloat16), mask=mask)
 

@@ -32,10 +32,16 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
-from batchinfer.kernels.moe_tc import MoETCConfig, e4m3_to_f32, moe_experts_tc
+from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
-from batchinfer.kernels.nvfp4_gemm import _decode_nvfp4_tile, bf16_rne, interpreting, split_k_locks
+from batchinfer.kernels.nvfp4_gemm import (
+    _decode_nvfp4_tile,
+    bf16_rne,
+    e4m3_to_f32,
+    interpreting,
+    split_k_locks,
+)
 
 
 @dataclass(frozen=True, slots=True)

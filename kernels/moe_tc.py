@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_weights import MoEWeights
-from batchinfer.kernels.nvfp4_gemm import bf16_rne, interpreting
+from batchinfer.kernels.nvfp4_gemm import bf16_rne, e2m1_to_f32, e4m3_to_f32, interpreting
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,23 +79,6 @@ _HI_PTX = tl.constexpr(_ptx(2, 8))
 
 
 @triton.jit
-def _code_f32(b, HI: tl.constexpr):
-    """Bytes (int32) -> fp32 code * 2^-14 of their low or (HI) high nibble (fp16 bit construction)."""
-    if HI:
-        c = ((b & 0x80) << 8) | ((b & 0x70) << 5)
-    else:
-        c = ((b & 0x8) << 12) | ((b & 0x7) << 9)
-    return c.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def e4m3_to_f32(s):
-    """e4m3 bits (uint8) -> fp32 value * 2^-8 (fp16 bit construction, exact)."""
-    s = s.to(tl.int32)
-    return (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _scale(s):
     """e4m3 bits (uint8) -> bf16 value * 2^100 (exact)."""
     return (e4m3_to_f32(s) * 3.2451855365842673e32).to(tl.bfloat16)  # * 2^108
@@ -107,7 +90,7 @@ def _weight(b, s, HI: tl.constexpr, INTERPRET: tl.constexpr):
     interpreter runs no PTX and flushes bf16 subnormals, so there the codes are built as fp16 (code *
     2^-14) and multiplied in fp32 (the same values)."""
     if INTERPRET:
-        return _code_f32(b, HI) * s.to(tl.float32) * 1.925929944387236e-34  # * 2^-112
+        return e2m1_to_f32(b, HI) * s.to(tl.float32) * 1.925929944387236e-34  # * 2^-112
     ptx: tl.constexpr = _HI_PTX if HI else _LO_PTX
     c = tl.inline_asm_elementwise(ptx, "=r,r", [b.to(tl.uint8)], dtype=tl.bfloat16, is_pure=True, pack=2)
     return c * s
@@ -205,7 +188,7 @@ def _dequant_paired_kernel(
     ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None, None] * 4194304.0
     for hi in tl.static_range(2):  # group A (low nibbles), then B
         sf = e4m3_to_f32(tl.load(s_ptrs + hi, mask=mask_rp, other=0))
-        val = bf16_rne(_code_f32(b, hi == 1) * sf[:, :, None] * ts, INTERPRET)
+        val = bf16_rne(e2m1_to_f32(b, hi == 1) * sf[:, :, None] * ts, INTERPRET)
         k = pairs[None, :, None] * 32 + 16 * hi + j[None, None, :]
         tl.store(out_ptr + rows[:, None, None] * stride_on + k, val, mask=mask)
 

@@ -79,16 +79,31 @@ def bf16_rne(acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def e2m1_to_f32(b, HI: tl.constexpr):
+    """Bytes (int32) -> fp32 E2M1 code * 2^-14 of their low or (HI) high nibble: sign and magnitude bits
+    placed in an fp16 at its subnormal/normal boundary (exact)."""
+    if HI:
+        c = ((b & 0x80) << 8) | ((b & 0x70) << 5)
+    else:
+        c = ((b & 0x8) << 12) | ((b & 0x7) << 9)
+    return c.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_to_f32(s):
+    """E4M3 bits (uint8) -> fp32 value * 2^-8 (fp16 bit construction, exact)."""
+    s = s.to(tl.int32)
+    return (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _decode_nvfp4_tile(b, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """uint8 codes [BN, BK/2] and uint8 e4m3 scales [BN, BK/16] -> bf16 W tile [BN, BK] times 2^-22."""
     b = b.to(tl.int32)
-    lo = ((b & 0x8) << 12) | ((b & 0x7) << 9)  # element 2j -> fp16 bits (value * 2^-14)
-    hi = ((b & 0x80) << 8) | ((b & 0x70) << 5)  # element 2j+1
-    s = s.to(tl.int32)
-    sf = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sf = e4m3_to_f32(s)
     sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
-    w_lo = (lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * sf).to(tl.bfloat16)
-    w_hi = (hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * sf).to(tl.bfloat16)
+    w_lo = (e2m1_to_f32(b, False) * sf).to(tl.bfloat16)  # element 2j
+    w_hi = (e2m1_to_f32(b, True) * sf).to(tl.bfloat16)  # element 2j + 1
     return tl.interleave(w_lo, w_hi)
 
 
@@ -116,15 +131,12 @@ def _nvfp4_dequant_kernel(
     byte = groups[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, G, 8]: 8 bytes per scale
     mask = (rows < N)[:, None, None] & (byte < KB)
     b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask, other=0).to(tl.int32)
-    s = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :],
-                mask=(rows < N)[:, None] & (groups < KB // 8)[None, :], other=0).to(tl.int32)
-    sf = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sf = e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :],
+                             mask=(rows < N)[:, None] & (groups < KB // 8)[None, :], other=0))
     ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None]
     sf = (sf * (ts * 4194304.0))[:, :, None]  # block scale * tensor scale * 2^22, [N, G, 1]
-    lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    lo_bits = bf16_rne(lo * sf, INTERPRET).to(tl.uint16, bitcast=True).to(tl.uint32)
-    hi_bits = bf16_rne(hi * sf, INTERPRET).to(tl.uint16, bitcast=True).to(tl.uint32)
+    lo_bits = bf16_rne(e2m1_to_f32(b, False) * sf, INTERPRET).to(tl.uint16, bitcast=True).to(tl.uint32)
+    hi_bits = bf16_rne(e2m1_to_f32(b, True) * sf, INTERPRET).to(tl.uint16, bitcast=True).to(tl.uint32)
     tl.store(out_ptr + rows[:, None, None] * stride_on + byte, lo_bits | (hi_bits << 16), mask=mask)
 
 

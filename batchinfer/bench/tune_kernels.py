@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -32,7 +33,6 @@ from batchinfer.kernels.moe import (
     moe_route,
 )
 from batchinfer.kernels.moe_tc import MoETCConfig, pair_moe_weights
-from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
 
 log = logging.getLogger(__name__)
@@ -119,15 +119,13 @@ def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, in
     `MoETCConfig` runs on the same experts in `moe_tc`'s paired layout."""
     cfg = bench_models()[model]
     w = moe_layer(cfg, dev)
-    paired: list[MoEWeights] = []  # made on the first MoETCConfig: a second copy of the layer's experts
+    paired = functools.cache(lambda: pair_moe_weights(w))  # a second copy of the experts, for MoETCConfig
     hs = [torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for _ in range(8)]
     shared = cfg.shared_expert_intermediate_size > 0
     routes = [moe_route(h @ w.router.t(), cfg.num_experts, cfg.num_experts_per_tok, True, shared) for h in hs]
 
     def run(c: MoEPath) -> float:
-        if isinstance(c, MoETCConfig) and not paired:
-            paired.append(pair_moe_weights(w))
-        ws = paired[0] if isinstance(c, MoETCConfig) else w
+        ws = paired() if isinstance(c, MoETCConfig) else w
         return time_per_call(lambda i: moe_experts(hs[i], *routes[i], ws, config=c), len(hs), budget_s=0.05)
 
     return run, routes[0][0].numel(), w.w13.shape[0]
@@ -162,18 +160,25 @@ def tune_moe(model: str, t: int, dev: torch.device) -> dict:
     }
 
 
+def _skipping_failures(timer: Callable[[MoEPath], float]) -> Callable[[MoEPath], float]:
+    """`timer` that logs a config which does not fit (registers, shared memory) and times it as inf."""
+
+    def run(c: MoEPath) -> float:
+        try:
+            return timer(c)
+        except Exception as e:
+            log.warning("%s: %s", c, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+            return float("inf")
+
+    return run
+
+
 def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
     """The decode path: gate_up configs with the first down config, then down configs with the best
     gate_up; beside it the grouped GEMMs under their table config at the same T (where
     DECODE_MAX_ENTRIES goes)."""
     timer, numel, experts = _moe_timer(model, t, dev)
-
-    def run(c: MoEPath) -> float:
-        try:
-            return timer(c)
-        except Exception as e:  # a config that does not fit (registers, shared memory) is skipped
-            log.warning("%s: %s", c, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
-            return float("inf")
+    run = _skipping_failures(timer)
 
     timings = {}
     for tiles in MOE_DECODE_GATE_UP:
@@ -209,13 +214,7 @@ def tune_moe_tc(model: str, t: int, dev: torch.device) -> dict:
     per BLOCK_M; beside them the path the table takes at this T (decode path, fused grouped GEMMs or
     grouped_mm)."""
     timer, numel, experts = _moe_timer(model, t, dev)
-
-    def run(c: MoEPath) -> float:
-        try:
-            return timer(c)
-        except Exception as e:  # a config that does not fit (registers, shared memory) is skipped
-            log.warning("%s: %s", c, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
-            return float("inf")
+    run = _skipping_failures(timer)
 
     timings: dict[MoEPath, float] = {}
     for bm in (16, 32, 64):
