@@ -193,6 +193,7 @@ def _gdn_prefill(cfg: ModelConfig, tokens: int, chunked: bool, dev: torch.device
         bytes=2 * mixed.numel() + 2 * tokens * Hv * Dv + state.numel() * 4,
         flops=tokens * Hv * Dk * Dv * 7,
         baselines=baselines,
+        eager=frozenset({"fla"}),  # fla-core reads cu_seqlens on the host (chunk indices): not capturable
     )
 
 
