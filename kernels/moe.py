@@ -2,16 +2,18 @@
 
 Flow (no host sync; CUDA-graph safe): `logits = h @ router^T` (cuBLAS, bf16) -> `moe_route` (one
 program per token: fp32 softmax, top-k, renormalise; the shared expert rides along as slot A with
-weight sigmoid(shared_gate logit)) -> one of three paths (by entry count, `_moe_configs`):
-- grouped GEMMs (bf16 experts, or many entries): `moe_align` (entries grouped by expert,
-  BLOCK_M-padded) -> gate_up GEMM (x rows gathered by token, gate and up tiles of the same columns,
-  `silu(g) * u` in the fp32 epilogue, written per entry) -> down GEMM (routing weight applied in the
-  epilogue, written per entry) -> a sum over each token's slots (one pass over `[T, A, D]`, fp32);
+weight sigmoid(shared_gate logit)) -> one of four paths (by entry count and layout, `_moe_configs`):
 - the decode path (NVFP4 experts, at most DECODE_MAX_ENTRIES entries, i.e. 1-2 rows per expert,
   where BLOCK_M=16 tensor-core tiles would be mostly padding): no alignment; gate_up one program per
   (entry, column tile, K split), down one per (token, column tile, slot split) with the routing
   weights and the top-k sum fused; GEMVs on CUDA cores that decode two E2M1 codes per integer op
   (`_e2m1_pair`) and apply each 16-code block scale once per group sum;
+- mid-size batches of NVFP4 experts in `moe_tc`'s paired layout (the engine's): `moe_tc`, the weight as
+  the tensor cores' register operand (1.3-2x the grouped GEMMs below, timed on the H200);
+- the fused grouped GEMMs (bf16 experts, or NVFP4 in the standard layout): `moe_align` (entries grouped
+  by expert, BLOCK_M-padded) -> gate_up GEMM (x rows gathered by token, gate and up tiles of the same
+  columns, `silu(g) * u` in the fp32 epilogue, written per entry) -> down GEMM (routing weight applied in
+  the epilogue, written per entry) -> a sum over each token's slots (one pass over `[T, A, D]`, fp32);
 - many entries (prefill): the experts decoded to bf16 once, then `torch._grouped_mm`
   (`moe_grouped_mm.py`).
 Weights are stacked at load (`moe_weights.stack_moe_weights`): NVFP4 `uint8 [E', 2I, D/2]` (gate rows then up
@@ -72,37 +74,57 @@ class MoEDecodeConfig:
     down: tuple[int, int, int, int]
 
 
-# Entries (tokens x slots) up to which NVFP4 experts take the decode path: 32 tokens of 9 slots. A
-# first guess, not timed yet; `tune_kernels --kinds moe_decode` times both paths at each T.
+# Entries (tokens x slots) up to which NVFP4 experts take the decode path: 32 tokens of 9 slots. Against
+# the fused grouped GEMMs (standard layout); paired experts also need at most one entry per expert on
+# average (`_moe_configs`).
 DECODE_MAX_ENTRIES = 288
-# Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill). A
-# first guess; `tune_kernels --kinds moe` times this path beside the fused kernels at each T.
+# Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill):
+# against the fused grouped GEMMs (standard layout) and against `moe_tc` (paired layout), each timed on
+# the H200 by `tune_kernels` (docs/PERF_KERNELS.md).
 GROUPED_MM_MIN_ENTRIES = 8192
+TC_GROUPED_MM_MIN_ENTRIES = 24576
 
 MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig | MoETCConfig
 
 
-def _moe_configs(numel: int, experts: int, nvfp4: bool = True) -> MoEPath:
-    """By entries and average entries per expert. The decode path's configs timed on the H200 at T = 1
-    and 32 (docs/PERF_KERNELS.md); the grouped GEMMs' and the thresholds are first guesses;
-    `tune_kernels --kinds moe_decode,moe` times the candidates. The interpreter (CPU tests) keeps to the
-    fused kernels unless a test asks for the grouped-GEMM path."""
-    if nvfp4 and numel <= DECODE_MAX_ENTRIES:
+def _moe_configs(numel: int, experts: int, nvfp4: bool = True, paired: bool = False) -> MoEPath:
+    """By entries and average entries per expert, from `tune_kernels` on the H200 at both models' shapes
+    (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the decode path up to one entry per
+    expert, `moe_tc` to TC_GROUPED_MM_MIN_ENTRIES, then grouped_mm. Standard layout: the decode path, the
+    fused grouped GEMMs, grouped_mm. The interpreter (CPU tests) keeps to wide tiles and never picks
+    grouped_mm unless a test asks for it."""
+    avg = numel / experts
+    if paired:
+        if numel <= DECODE_MAX_ENTRIES and avg <= 1.0:
+            return _decode_config(numel)
         if interpreting():
-            return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
-        if numel <= 72:  # up to 8 tokens of 9 slots: K in 4 splits (gate_up), the slots in 3 (down)
-            return MoEDecodeConfig((16, 32, 2, 4), (32, 32, 4, 3))
-        return MoEDecodeConfig((16, 32, 2, 4), (64, 32, 4, 3))
+            return MoETCConfig(16, (64, 4, 1), (64, 4, 1))
+        if numel >= TC_GROUPED_MM_MIN_ENTRIES:
+            return MoEGroupedMMConfig()
+        if avg <= 2:
+            return MoETCConfig(16, (64, 4, 4), (64, 4, 3))
+        if avg <= 16:
+            return MoETCConfig(32, (64, 4, 3), (64, 4, 3))
+        return MoETCConfig(64, (64, 4, 3), (64, 4, 4))
+    if nvfp4 and numel <= DECODE_MAX_ENTRIES:
+        return _decode_config(numel)
     if numel >= GROUPED_MM_MIN_ENTRIES and not interpreting():
         return MoEGroupedMMConfig()
     if interpreting():  # few, wide programs: the interpreter's cost is per program and op, not per element
         return MoEConfig(16, (64, 64, 4, 1), (64, 64, 4, 1))
-    avg = numel / experts
     if avg <= 16:
         return MoEConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
     if avg <= 48:
         return MoEConfig(32, (64, 128, 4, 4), (64, 128, 4, 4))
     return MoEConfig(64, (128, 64, 8, 3), (128, 64, 8, 3))
+
+
+def _decode_config(numel: int) -> MoEDecodeConfig:
+    if interpreting():
+        return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
+    if numel <= 72:  # up to 8 tokens of 9 slots: K in 4 splits (gate_up), the slots in 3 (down)
+        return MoEDecodeConfig((16, 32, 2, 4), (32, 32, 4, 3))
+    return MoEDecodeConfig((16, 32, 2, 4), (64, 32, 4, 3))
 
 
 @triton.jit
@@ -510,12 +532,11 @@ def moe_experts(
     """`h [T, D]` bf16 through the experts `ids [T, A']` (int32) weighted by `route_w [T, A']` -> `[T, D]`
     bf16.
 
-    NVFP4 experts at up to DECODE_MAX_ENTRIES entries take the decode path, from GROUPED_MM_MIN_ENTRIES
-    the grouped-GEMM path (`moe_grouped_mm`), others the fused grouped GEMMs; `config` overrides the
-    table (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEGroupedMMConfig` the grouped-GEMM
-    path, `MoETCConfig` the tensor-core kernels of `moe_tc` (which need experts in its paired layout, and
-    are not in the table until timed on the H200). Paired experts also run the decode path and the
-    grouped-GEMM path, not the fused grouped GEMMs: between those the table needs an explicit config."""
+    The path follows `_moe_configs` (paired NVFP4 experts, as the engine loads them: decode path,
+    `moe_tc`, grouped_mm; standard layout: decode path, fused grouped GEMMs, grouped_mm); `config`
+    overrides it (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEGroupedMMConfig` the
+    grouped-GEMM path, `MoETCConfig` the tensor-core kernels of `moe_tc` (paired layout only), `MoEConfig`
+    the fused grouped GEMMs (standard layout only)."""
     t, d = h.shape
     if h.dtype != torch.bfloat16 or d != w.hidden or h.stride(1) != 1:
         raise ValueError(f"h: expected bfloat16 [T, {w.hidden}] with unit column stride, got {h.dtype} "
@@ -528,7 +549,7 @@ def moe_experts(
     if numel == 0:
         return torch.zeros_like(h)
     experts = w.w13.shape[0]
-    cfg = config or _moe_configs(numel, experts, w.nvfp4)
+    cfg = config or _moe_configs(numel, experts, w.nvfp4, w.paired)
     if isinstance(cfg, MoETCConfig) and not w.paired:
         raise ValueError("MoETCConfig: expected experts in the paired layout (moe_tc.pair_moe_weights)")
     if isinstance(cfg, MoEConfig) and w.paired:

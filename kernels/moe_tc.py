@@ -22,8 +22,9 @@ significant bits, far from the range limits); the epilogue multiplies by the ten
 SASS (Triton 3.6): 7.8 (gate_up) and 9.7 (down) instructions a code a thread at BLOCK_N 64 on 4 warps,
 each code serving every token of its tile. Entries are grouped by expert with `moe_align` (BLOCK_M-padded,
 as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a sum over each
-token's slots finishes. Not in `moe._moe_configs`' table until timed on the H200 (`tune_kernels --kinds
-moe_tc`); the engine's experts stay in the standard layout meanwhile. Against `moe_experts_ref` (fp32)
+token's slots finishes. The engine loads its NVFP4 experts paired, and `moe._moe_configs` sends batches
+of more than one entry per expert here, up to where grouped_mm wins (timed on the H200 with `tune_kernels
+--kinds moe_tc`, docs/PERF_KERNELS.md). Against `moe_experts_ref` (fp32)
 expect the bf16 rounding of the intermediates, ~1e-3..1e-2.
 """
 

@@ -32,6 +32,7 @@ from batchinfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 from batchinfer.kernels.moe import fused_moe
+from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
@@ -157,6 +158,8 @@ class KernelModel:
             shared,  # type: ignore[arg-type]
             dense_bf16(w[m + "shared_expert_gate"]) if shared is not None else None,
         )
+        if moe.nvfp4:  # the tensor-core MoE kernels read this layout; the decode path and grouped_mm too
+            moe = pair_moe_weights(moe)
         return LayerWeights(
             w[p + "input_layernorm"].to(torch.bfloat16),
             w[p + "post_attention_layernorm"].to(torch.bfloat16),
