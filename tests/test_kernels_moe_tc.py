@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from batchinfer.kernels import moe
 from batchinfer.kernels.moe import (
     MoEConfig,
     MoEDecodeConfig,
@@ -91,6 +92,32 @@ def test_paired_experts_decode_to_the_same_bf16():
     h = torch.randn(3, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=MoEGroupedMMConfig())
     assert torch.equal(out.cpu(), moe_experts(h, ids, route_w, w, config=MoEGroupedMMConfig()).cpu())
+
+
+def test_paired_experts_follow_the_timed_table(monkeypatch):
+    """Paired experts (the engine's): the decode path up to one entry per expert, `moe_tc` above, then
+    grouped_mm where entries x intermediate reach the crossover timed on the H200 (both models' widths)."""
+    monkeypatch.setattr(moe, "interpreting", lambda: False)
+    assert isinstance(moe._moe_configs(216, 257, 512, paired=True), MoEDecodeConfig)  # Qwen3.6, T=24
+    assert isinstance(moe._moe_configs(288, 257, 512, paired=True), MoETCConfig)  # T=32
+    assert moe._moe_configs(2304, 257, 512, paired=True).block_m == 32  # T=256
+    assert isinstance(moe._moe_configs(18432, 257, 512, paired=True), MoETCConfig)  # T=2048
+    assert isinstance(moe._moe_configs(36864, 257, 512, paired=True), MoEGroupedMMConfig)  # T=4096
+    assert isinstance(moe._moe_configs(16384, 128, 768, paired=True), MoETCConfig)  # Qwen3-30B, T=2048
+    assert isinstance(moe._moe_configs(24576, 128, 768, paired=True), MoEGroupedMMConfig)  # T=3072
+
+
+def test_paired_experts_run_moe_tc_by_default():
+    """Without a config, a batch of several entries per expert on paired experts goes through `moe_tc`
+    (the interpreter's table), and agrees with the reference and with the standard layout's path."""
+    w = _weights(4, 64, 32, True, True, seed=77)
+    ids, route_w, g = _route(6, 3, 5, seed=78)
+    h = torch.randn(6, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    paired = pair_moe_weights(w)
+    assert isinstance(moe._moe_configs(ids.numel(), 5, 32, paired=True), MoETCConfig)
+    out = moe_experts(h, ids, route_w, paired)
+    assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+    assert _rel(out, moe_experts(h, ids, route_w, w)) < 5e-3
 
 
 def test_layouts_are_not_mixed_up():

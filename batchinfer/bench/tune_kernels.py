@@ -114,9 +114,9 @@ MOE_DECODE_DOWN = [
 ]
 
 
-def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, int]:
-    """(time of `moe_experts` under a config, entries, experts) on one layer with 8 rotating inputs; an
-    `MoETCConfig` runs on the same experts in `moe_tc`'s paired layout."""
+def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, int, int]:
+    """(time of `moe_experts` under a config, entries, experts, intermediate size) on one layer with 8
+    rotating inputs; an `MoETCConfig` runs on the same experts in `moe_tc`'s paired layout."""
     cfg = bench_models()[model]
     w = moe_layer(cfg, dev)
     paired = functools.cache(lambda: pair_moe_weights(w))  # a second copy of the experts, for MoETCConfig
@@ -128,14 +128,14 @@ def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, in
         ws = paired() if isinstance(c, MoETCConfig) else w
         return time_per_call(lambda i: moe_experts(hs[i], *routes[i], ws, config=c), len(hs), budget_s=0.05)
 
-    return run, routes[0][0].numel(), w.w13.shape[0]
+    return run, routes[0][0].numel(), w.w13.shape[0], w.intermediate
 
 
 def tune_moe(model: str, t: int, dev: torch.device) -> dict:
     """Gate_up tiles with the table's down tiles, then down tiles with the best gate_up, per BLOCK_M; beside
     them the grouped-GEMM path (experts decoded to bf16, `torch._grouped_mm`), for GROUPED_MM_MIN_ENTRIES."""
-    run, numel, experts = _moe_timer(model, t, dev)
-    table = _moe_configs(numel, experts)
+    run, numel, experts, inter = _moe_timer(model, t, dev)
+    table = _moe_configs(numel, experts, inter)
     if not isinstance(table, MoEConfig):  # decode path or grouped_mm's T: tune from the first guess
         table = MoEConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
     timings = {table: run(table)}
@@ -177,7 +177,7 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
     """The decode path: gate_up configs with the first down config, then down configs with the best
     gate_up; beside it the grouped GEMMs under their table config at the same T (where
     DECODE_MAX_ENTRIES goes)."""
-    timer, numel, experts = _moe_timer(model, t, dev)
+    timer, numel, experts, inter = _moe_timer(model, t, dev)
     run = _skipping_failures(timer)
 
     timings = {}
@@ -189,7 +189,7 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
         c = MoEDecodeConfig(gate_up, tiles)
         timings[c] = timings[c] if c in timings else run(c)
     best = min(timings, key=timings.get)
-    grouped = _moe_configs(numel, experts, nvfp4=False)  # the grouped table's choice at this size
+    grouped = _moe_configs(numel, experts, inter, nvfp4=False)  # the grouped table's choice at this size
     return {
         "kind": "moe_decode",
         "model": model,
@@ -213,7 +213,7 @@ def tune_moe_tc(model: str, t: int, dev: torch.device) -> dict:
     """`moe_tc`'s kernels: gate_up tiles with the first down tile, then down tiles with the best gate_up,
     per BLOCK_M; beside them the path the table takes at this T (decode path, fused grouped GEMMs or
     grouped_mm)."""
-    timer, numel, experts = _moe_timer(model, t, dev)
+    timer, numel, experts, inter = _moe_timer(model, t, dev)
     run = _skipping_failures(timer)
 
     timings: dict[MoEPath, float] = {}
@@ -226,7 +226,7 @@ def tune_moe_tc(model: str, t: int, dev: torch.device) -> dict:
             c = MoETCConfig(bm, gate_up, tiles)
             timings[c] = timings[c] if c in timings else run(c)
     best = min(timings, key=timings.get)
-    table = _moe_configs(numel, experts)
+    table = _moe_configs(numel, experts, inter, paired=True)  # the engine's choice (paired experts)
     return {
         "kind": "moe_tc",
         "model": model,
