@@ -316,7 +316,8 @@ def format_result(result: dict) -> list[str]:
     type=click.Choice(["bf16", "fp8"]),
     default="bf16",
     show_default=True,
-    help="The ViT's linears in --dtype, or on FP8 weights and activations (batchinfer/sam3/fp8.py).",
+    help="The ViT's linears in --dtype, or on FP8 weights and activations (batchinfer/sam3/fp8.py; at "
+    "real shapes it fails the accuracy lock, docs/PERF_IMAGES.md).",
 )
 @click.option("--batch-size", default=16, show_default=True, type=int, help="Images per model call.")
 @click.option(
