@@ -94,8 +94,8 @@ def _moe_configs(
     """By entries and average entries per expert, from `tune_kernels` on the H200 at both models' shapes
     (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the decode path up to one entry per
     expert, `moe_tc` up to TC_GROUPED_MM_MIN_WORK (entries x `intermediate`), then grouped_mm. Standard
-    layout: the decode path, the fused grouped GEMMs, grouped_mm. The interpreter (CPU tests) keeps to wide tiles and never picks
-    grouped_mm unless a test asks for it."""
+    layout: the decode path, the fused grouped GEMMs, grouped_mm. The interpreter (CPU tests) keeps to
+    wide tiles and never picks grouped_mm unless a test asks for it."""
     avg = numel / experts
     if paired:
         if numel <= DECODE_MAX_ENTRIES and avg <= 1.0:
