@@ -5,6 +5,8 @@ Layouts (last dim contiguous, other strides free, so q and the output gate can b
 interleaved `[T, H, 2 * Dh]` output):
 - prefill: packed tokens `q [T, H, Dh]`, `k, v [T, Hkv, Dh]`, sequences delimited by `cu_seqlens [N + 1]`
   (int32); each sequence attends causally to itself only (fresh prefill, no cached prefix).
+  `prefill_attention_cached` (chunked prefill of long prompts): the same kernel reading K/V from the
+  decode cache, each chunk after its slot's first `past[n]` tokens.
 - decode KV cache, one slot per running sequence: `k_cache, v_cache [slots, Hkv, max_len, Dh]` (bf16),
   so one (slot, kv head) is a contiguous `[max_len, Dh]` run and a split streams it with wide loads.
   Token `p` of the sequence in slot `s` sits at `[s, :, p]`; the engine writes new keys with
@@ -73,7 +75,8 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 @triton.jit
 def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen, qk_scale,
                 stride_kt, stride_vt, MASKED: tl.constexpr, INTERPRET: tl.constexpr):
-    """One K/V tile of online softmax: k_ptrs `[Dh, BLOCK_N]`, v_ptrs `[BLOCK_N, Dh]` at token n_start."""
+    """One K/V tile of online softmax: k_ptrs `[Dh, BLOCK_N]`, v_ptrs `[BLOCK_N, Dh]` at token n_start;
+    `offs_m` are the query rows' positions and `seqlen` the keys' count (both counting a cached prefix)."""
     cols = n_start + offs_n
     if MASKED:
         k = tl.load(k_ptrs + n_start * stride_kt, mask=cols[None, :] < seqlen, other=0.0)
@@ -96,13 +99,16 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqle
 
 @triton.jit
 def _prefill_attn_kernel(
-    q_ptr, k_ptr, v_ptr, gate_ptr, o_ptr, cu_ptr,  #
+    q_ptr, k_ptr, v_ptr, gate_ptr, o_ptr, cu_ptr, slot_ptr, past_ptr,  #
     H, GROUP, qk_scale,  #
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  #
+    stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,  #
     stride_gt, stride_gh, stride_ot, stride_oh,  #
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr,  #
-    INTERPRET: tl.constexpr,  #
+    CACHED: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
+    """Packed K/V (CACHED False: each sequence sees its own tokens) or the KV cache (CACHED: sequence n's
+    queries sit at positions past[n] + i of slot slot_ids[n] and see the slot's first past[n] + i + 1
+    tokens, its own chunk written there already)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most causal work) blocks first
     seq = tl.program_id(1) // H
@@ -113,21 +119,32 @@ def _prefill_attn_kernel(
     m_start = pid_m * BLOCK_M
     if m_start >= seqlen:
         return
+    if CACHED:
+        past = tl.load(past_ptr + seq)
+        k_base = tl.load(slot_ptr + seq).to(tl.int64) * stride_ks
+        v_base = tl.load(slot_ptr + seq).to(tl.int64) * stride_vs
+    else:
+        past = 0
+        k_base = start * stride_kt
+        v_base = start * stride_vt
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < seqlen
     q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok)
-    k_ptrs = k_ptr + (start + offs_n)[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None]
-    v_ptrs = v_ptr + (start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+    k_ptrs = k_ptr + k_base + offs_n[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None]
+    v_ptrs = v_ptr + v_base + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for n_start in range(0, m_start, BLOCK_N):  # fully visible tiles: no mask
-        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen,
+    pos_m = past + offs_m
+    kv_len = past + seqlen
+    diag = (past + m_start) // BLOCK_N * BLOCK_N  # tiles before it are visible to every row
+    for n_start in range(0, diag, BLOCK_N):  # fully visible tiles: no mask
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, pos_m, offs_n, n_start, kv_len,
                                     qk_scale, stride_kt, stride_vt, False, INTERPRET)
-    for n_start in range(m_start, tl.minimum(seqlen, m_start + BLOCK_M), BLOCK_N):  # the diagonal
-        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen,
+    for n_start in range(diag, tl.minimum(kv_len, past + m_start + BLOCK_M), BLOCK_N):  # the diagonal
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, pos_m, offs_n, n_start, kv_len,
                                     qk_scale, stride_kt, stride_vt, True, INTERPRET)
     acc = acc / l_i[:, None]
     if HAS_GATE:
@@ -236,23 +253,54 @@ def prefill_attention(
     """
     T, H, Dh = q.shape
     Hkv = k.shape[1]
-    for name, t, shape in (("k", k, (T, Hkv, Dh)), ("v", v, (T, Hkv, Dh)), ("q", q, (T, H, Dh))) + (
-        (("gate", gate, (T, H, Dh)),) if gate is not None else ()
-    ):
+    for name, t, shape in (("k", k, (T, Hkv, Dh)), ("v", v, (T, Hkv, Dh))):
         _check_heads(name, t, shape)
+    return _launch_prefill(q, k, v, cu_seqlens, None, None, max_seqlen, gate, scale, config)
+
+
+def prefill_attention_cached(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
+    slot_ids: torch.Tensor, past: torch.Tensor, max_seqlen: int, gate: torch.Tensor | None = None,
+    scale: float | None = None, config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Chunked prefill: packed query chunks `q [T, H, Dh]` (`cu_seqlens`), chunk n continuing the sequence
+    in slot `slot_ids[n]` (int32 `[N]`) after its first `past[n]` (int32 `[N]`) tokens. Attends causally
+    over the slot's cache `[slots, Hkv, max_len, Dh]`, which must hold the chunk's own keys and values
+    already (the engine writes them first). `max_seqlen`: the longest chunk."""
+    N = cu_seqlens.numel() - 1
+    Dh = q.shape[2]
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_heads(name, t, (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], Dh))
+    for name, t in (("slot_ids", slot_ids), ("past", past)):
+        if t.shape != (N,) or t.dtype != torch.int32:
+            raise ValueError(f"{name}: expected int32 [{N}] (one per chunk), got {t.dtype} {tuple(t.shape)}")
+    return _launch_prefill(q, k_cache, v_cache, cu_seqlens, slot_ids, past, max_seqlen, gate, scale, config)
+
+
+def _launch_prefill(q, k, v, cu_seqlens, slot_ids, past, max_seqlen, gate, scale, config) -> torch.Tensor:
+    """`k, v`: packed `[T, Hkv, Dh]`, or the cache `[slots, Hkv, max_len, Dh]` when `slot_ids` is given."""
+    T, H, Dh = q.shape
+    Hkv = k.shape[1]
+    _check_heads("q", q, (T, H, Dh))
+    if gate is not None:
+        _check_heads("gate", gate, (T, H, Dh))
     if H % Hkv or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError(f"expected H % Hkv == 0 and int32 1-D cu_seqlens, got H={H} Hkv={Hkv} "
                          f"cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    cached = slot_ids is not None
+    # packed: (token, head) strides with a zero slot stride; cache: (slot, token, head)
+    ks = (k.stride(0), k.stride(2), k.stride(1)) if cached else (0, k.stride(0), k.stride(1))
+    vs = (v.stride(0), v.stride(2), v.stride(1)) if cached else (0, v.stride(0), v.stride(1))
     cfg = dict(config or _prefill_configs(Dh))
     o = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
     g = gate if gate is not None else o
     grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), (cu_seqlens.numel() - 1) * H)
     _prefill_attn_kernel[grid](
-        q, k, v, g, o, cu_seqlens,
+        q, k, v, g, o, cu_seqlens, slot_ids if cached else cu_seqlens, past if cached else cu_seqlens,
         H, H // Hkv, (scale if scale is not None else Dh**-0.5) * _LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q.stride(0), q.stride(1), *ks, *vs,
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM=Dh, HAS_GATE=gate is not None, INTERPRET=interpreting(), **cfg,
+        HEAD_DIM=Dh, HAS_GATE=gate is not None, CACHED=cached, INTERPRET=interpreting(), **cfg,
     )
     return o
 

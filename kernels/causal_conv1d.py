@@ -2,8 +2,9 @@
 
 x `[T, C]` (last dim contiguous, row stride free), weight `[C, K]` (the checkpoint's `[C, 1, K]`
 squeezed), no bias; `out[t] = silu(sum_j w[:, j] * x[t - (K - 1) + j])` with zeros before a
-sequence's start. Conv state pool `[slots, K - 1, C]`: the last K - 1 inputs, oldest first,
-time-major so every tap is one contiguous C-row; prefill writes it, decode rolls it in place.
+sequence's start (or, for a later chunk of a chunked prefill, the slot's state). Conv state pool
+`[slots, K - 1, C]`: the last K - 1 inputs, oldest first, time-major so every tap is one contiguous
+C-row; prefill writes it, decode rolls it in place.
 A negative slot marks a padded decode row: no state traffic, zeros out. fp32 math, exact state copies.
 """
 
@@ -13,41 +14,59 @@ import torch
 import triton
 import triton.language as tl
 from batchinfer.kernels import small_ops
-from batchinfer.kernels.gdn import _check, _interpreted
+from batchinfer.kernels.gdn import _check, _check_past, _interpreted
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
 @triton.jit
 def _conv1d_kernel(
-    x_ptr, w_ptr, cu_ptr, slot_ptr, state_ptr, out_ptr,  #
+    x_ptr, w_ptr, cu_ptr, slot_ptr, past_ptr, state_ptr, out_ptr,  #
     C,  #
     stride_xt, stride_wc, stride_ss, stride_sk, stride_ot,  #
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr,  #
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, CONTINUE: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
+    tl.static_assert(BLOCK_T >= K - 1)  # taps before the chunk's start are read by the first program only
     seq = tl.program_id(1)
     start = tl.load(cu_ptr + seq).to(tl.int64)
     seqlen = tl.load(cu_ptr + seq + 1) - start
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if CONTINUE:  # a later chunk of a chunked prefill: the inputs before it are the slot's conv state
+        # (as a [BLOCK_C] mask: the interpreter cannot mask with a scalar-and-block product)
+        cont_n = ((tl.load(past_ptr + seq) > 0) & (slot >= 0)).to(tl.int32)
+        cont = (cont_n + tl.zeros_like(offs_c)) > 0
     if tl.program_id(0) * BLOCK_T < seqlen:
         acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for j in tl.static_range(K):
             src = offs_t - (K - 1) + j  # causal: tap j reads token t - (K - 1 - j), zero before the start
             m = (src >= 0)[:, None] & (offs_t < seqlen)[:, None] & c_ok[None, :]
             x = tl.load(x_ptr + (start + src)[:, None] * stride_xt + offs_c[None, :], mask=m, other=0.0)
+            if CONTINUE:
+                prev = (src < 0)[:, None] & (offs_t < seqlen)[:, None] & (c_ok & cont)[None, :]
+                s_ptrs = state_ptr + slot * stride_ss + (K - 1 + src)[:, None] * stride_sk + offs_c[None, :]
+                x = tl.where(prev, tl.load(s_ptrs, mask=prev, other=0.0).to(x.dtype), x)
             w = tl.load(w_ptr + offs_c * stride_wc + j, mask=c_ok, other=0.0)
             acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
         out = acc * tl.sigmoid(acc)
         o_ok = (offs_t < seqlen)[:, None] & c_ok[None, :]
         o_ptrs = out_ptr + (start + offs_t)[:, None] * stride_ot + offs_c[None, :]
         tl.store(o_ptrs, small_ops._to(out, out_ptr.dtype.element_ty, INTERPRET), mask=o_ok)
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
     if (tl.program_id(0) == 0) & (slot >= 0):  # the last K - 1 inputs become the decode state
+        if CONTINUE:
+            tl.debug_barrier()  # the taps above read the old state first
         for j in tl.static_range(K - 1):
             src = seqlen - (K - 1) + j
             src_ok = (src + tl.zeros_like(offs_c)) >= 0
+            before = (src + tl.zeros_like(offs_c)) < 0
             x = tl.load(x_ptr + (start + src) * stride_xt + offs_c, mask=c_ok & src_ok, other=0.0)
+            if CONTINUE:  # a chunk shorter than K - 1 keeps part of the old state (entry j + seqlen,
+                # read before this loop overwrites it: j + seqlen > j)
+                old = tl.load(state_ptr + slot * stride_ss + (j + seqlen) * stride_sk + offs_c,
+                              mask=c_ok & before & cont, other=0.0)
+                x = tl.where(src_ok, x, old.to(x.dtype))
             tl.store(state_ptr + slot * stride_ss + j * stride_sk + offs_c, x.to(state_ptr.dtype.element_ty),
                      mask=c_ok)
 
@@ -85,11 +104,12 @@ def _conv1d_update_kernel(
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-    conv_state: torch.Tensor, slot_ids: torch.Tensor,
+    conv_state: torch.Tensor, slot_ids: torch.Tensor, past: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill: `silu(depthwise causal conv(x))` per sequence of packed x `[T, C]` (weight `[C, K]`, no
     bias, zero left padding); returns `[T, C]` and writes each sequence's last K - 1 inputs into
-    `conv_state[slot_ids[n]]` (`[slots, K - 1, C]`)."""
+    `conv_state[slot_ids[n]]` (`[slots, K - 1, C]`). With `past` (int32 `[N]`, chunked prefill), a
+    sequence with `past[n] > 0` continues its slot: the state holds the inputs before it."""
     T, C = x.shape
     _check("x", x, (T, C))
     K = weight.shape[-1]
@@ -99,13 +119,14 @@ def causal_conv1d(
     if cu_seqlens.dtype != torch.int32 or slot_ids.shape != (N,):
         raise ValueError(f"cu_seqlens/slot_ids: expected int32 [N + 1] and [N], got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)} and {tuple(slot_ids.shape)}")
+    _check_past(past, N)
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     block_t, block_c = (16, 64) if _interpreted() else (32, 256)
     _conv1d_kernel[(triton.cdiv(max(max_seqlen, 1), block_t), N, triton.cdiv(C, block_c))](
-        x, weight, cu_seqlens, slot_ids, conv_state, out,
+        x, weight, cu_seqlens, slot_ids, slot_ids if past is None else past, conv_state, out,
         C,
         x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        K=K, BLOCK_T=block_t, BLOCK_C=block_c, INTERPRET=interpreting(),
+        K=K, BLOCK_T=block_t, BLOCK_C=block_c, CONTINUE=past is not None, INTERPRET=interpreting(),
     )
     return out
 

@@ -69,12 +69,13 @@ def _store(ptrs, x, ok, PAD: tl.constexpr):
 
 @triton.jit
 def _delta_rule_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr, cu_ptr, o_ptr,  #
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr, cu_ptr, past_ptr,  #
+    o_ptr,  #
     HV_PER_K, q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,  #
-    DECODE: tl.constexpr, INTERPRET: tl.constexpr,  #
+    DECODE: tl.constexpr, CONTINUE: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     # Padded (e.g. Dk = Dv = 48 in a 64-wide tile): zeros in the padded k lanes keep the norms, S's extra
     # rows and every dot exact; padded v lanes are computed on zeros and never stored.
@@ -89,7 +90,7 @@ def _delta_rule_kernel(
     if DECODE:  # one token per row, continuing the slot's state
         start = seq
         end = seq + 1
-    else:  # a whole sequence from a zero state
+    else:  # a whole sequence from a zero state, or (CONTINUE, past[seq] > 0) a chunk of one
         start = tl.load(cu_ptr + seq).to(tl.int64)
         end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
@@ -100,10 +101,12 @@ def _delta_rule_kernel(
             _store(o_ptr + t * stride_ot + h * stride_oh + offs_v,
                    tl.zeros([BLOCK_V], tl.float32).to(o_ptr.dtype.element_ty), v_ok, PAD)
     else:
+        S = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
         if DECODE:
             S = _load(s_ptrs, s_ok, PAD).to(tl.float32)  # [BLOCK_K, BLOCK_V]
-        else:
-            S = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
+        elif CONTINUE:
+            if tl.load(past_ptr + seq) > 0:
+                S = _load(s_ptrs, s_ok, PAD).to(tl.float32)
         neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         for t in range(start, end):
@@ -157,13 +160,15 @@ def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None, config: dict[str, int] | None = None,
+    past: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule with the gate/beta math fused; returns `o [T, Hv, Dv]` in v's dtype.
 
     q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, a, b `[T, Hv]` (raw in_proj_a / in_proj_b outputs).
     Decode (`cu_seqlens=None`): one token per row, starting from and updating `state[slot_ids[t]]`.
     Prefill (`cu_seqlens [N + 1]` int32): each sequence starts from a zero state and its final state
-    is written to `state[slot_ids[n]]` (`[slots, Hv, Dk, Dv]`, fp32 or bf16).
+    is written to `state[slot_ids[n]]` (`[slots, Hv, Dk, Dv]`, fp32 or bf16); with `past` (int32 `[N]`,
+    chunked prefill) a sequence with `past[n] > 0` is a later chunk and starts from its slot's state.
     """
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
@@ -181,17 +186,29 @@ def gated_delta_rule(
     if slot_ids.shape != (N,):
         raise ValueError(f"slot_ids: expected shape ({N},) (one per {'row' if decode else 'sequence'}), "
                          f"got {tuple(slot_ids.shape)}")
+    _check_past(past, N, decode)
     cfg = dict(config or _delta_rule_configs(decode, state.element_size()))
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     _delta_rule_kernel[(N, Hv, triton.cdiv(Dv, cfg["BLOCK_V"]))](
-        q, k, v, a, b, A_log, dt_bias, state, slot_ids, slot_ids if decode else cu_seqlens, o,
+        q, k, v, a, b, A_log, dt_bias, state, slot_ids, slot_ids if decode else cu_seqlens,
+        slot_ids if past is None else past, o,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), DECODE=decode, INTERPRET=interpreting(), **cfg,
+        DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), DECODE=decode, CONTINUE=past is not None,
+        INTERPRET=interpreting(), **cfg,
     )
     return o
+
+
+def _check_past(past: torch.Tensor | None, n: int, decode: bool = False) -> None:
+    """`past` of chunked prefill: int32, one per sequence; decode continues every row anyway."""
+    if past is None:
+        return
+    if decode or past.shape != (n,) or past.dtype != torch.int32:
+        raise ValueError(f"past: expected int32 [{n}] (one per prefill sequence), got {past.dtype} "
+                         f"{tuple(past.shape)}" + (" with cu_seqlens=None (decode)" if decode else ""))
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

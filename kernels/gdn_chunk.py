@@ -8,17 +8,18 @@ Per chunk of BT tokens with inclusive log-decay cumsum G, the WY form of the del
   U        = Tm (beta * V) - Tm (beta exp(G) * K) S     (the per-token deltas)
   O        = exp(G) * (Q S) + [exp(G_t - G_s) q_t . k_s]_{s <= t} U
   S'       = exp(G_last) S + (exp(G_last - G) * K)^T U
-Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, final state written to
-`state[slot_ids[n]]`). Two launches, as in FLA: `_chunk_prep_kernel` does everything that does not
-depend on S for all chunks at once (Tm by forward substitution, W = Tm (beta exp(G) K) and
-U0 = Tm (beta V), kept in bf16 workspaces), so only `U = U0 - W S`, the output and the state update
-stay on the sequential path of `_chunk_state_kernel` (one program per (sequence, v-head, v-tile)
-walking its chunks in order, the state in registers). Head dims that are not powers of two (the demo
-model's 48) run in tiles padded to the next one (at least 16, for the dots), zero-filled by masks that
-only padded shapes compile. Numerics: Tm and the state in fp32; dot operands in the input dtype (bf16)
-with fp32 accumulation, as FLA does; expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative.
-Under the Triton CPU interpreter (`INTERPRET`, set by the launcher) the dots take fp32 operands and the
-bf16 casts round to nearest explicitly, working around Triton 3.9's interpreter; compiled code is unchanged.
+Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, or from their slot's state for
+later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Two launches, as in FLA:
+`_chunk_prep_kernel` does everything that does not depend on S for all chunks at once (Tm by forward
+substitution, W = Tm (beta exp(G) K) and U0 = Tm (beta V), kept in bf16 workspaces), so only `U = U0 - W S`,
+the output and the state update stay on the sequential path of `_chunk_state_kernel` (one program per
+(sequence, v-head, v-tile) walking its chunks in order, the state in registers). Head dims that are not
+powers of two (the demo model's 48) run in tiles padded to the next one (at least 16, for the dots),
+zero-filled by masks that only padded shapes compile. Numerics: Tm and the state in fp32; dot operands in the
+input dtype (bf16) with fp32 accumulation, as FLA does; expected error vs `gdn.gated_delta_rule_ref` ~3e-3
+relative. Under the Triton CPU interpreter (`INTERPRET`, set by the launcher) the dots take fp32 operands and
+the bf16 casts round to nearest explicitly, working around Triton 3.9's interpreter; compiled code is
+unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from batchinfer.kernels import small_ops
-from batchinfer.kernels.gdn import _interpreted
+from batchinfer.kernels.gdn import _check_past, _interpreted
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
@@ -131,14 +132,16 @@ def _chunk_prep_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, state_ptr, slot_ptr, cu_ptr, o_ptr,  #
+    q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, state_ptr, slot_ptr, cu_ptr,  #
+    past_ptr, o_ptr,  #
     HV_PER_K, q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt, stride_wt, stride_wh,  #
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr,  #
-    INTERPRET: tl.constexpr,  #
+    CONTINUE: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
-    """Per (sequence, v-head, v-tile), chunks in order: U = U0 - W S, the outputs, the state update."""
+    """Per (sequence, v-head, v-tile), chunks in order: U = U0 - W S, the outputs, the state update. S
+    starts at zero, or (CONTINUE and past[seq] > 0: a later piece of a chunked prefill) from the slot."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (DV % BLOCK_V != 0)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -153,7 +156,15 @@ def _chunk_state_kernel(
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     S = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
+    if CONTINUE:
+        if tl.load(past_ptr + seq) > 0:
+            if PAD:
+                S = tl.load(s_ptrs, mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+            else:
+                S = tl.load(s_ptrs).to(tl.float32)
     for c0 in range(start, end, BT):
         t = c0 + rows
         ok = t < end
@@ -174,8 +185,6 @@ def _chunk_state_kernel(
         tl.store(o_ptrs, small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
         k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
         S = S * tl.exp(g_last) + _dot(tl.trans(k_tail), ud, INTERPRET)
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     S = small_ops._to(S, state_ptr.dtype.element_ty, INTERPRET)
     if PAD:
         tl.store(s_ptrs, S, mask=k_ok[:, None] & v_ok[None, :])
@@ -187,9 +196,10 @@ def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
     cu_seqlens: torch.Tensor, max_seqlen: int, config: dict[str, int] | None = None,
+    past: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Prefill form of `gdn.gated_delta_rule` (same arguments and result, plus `max_seqlen`, the longest
-    sequence as a host int the scheduler knows), chunked on tensor cores."""
+    """Prefill form of `gdn.gated_delta_rule` (same arguments and result, `past` included, plus
+    `max_seqlen`, the longest sequence as a host int the scheduler knows), chunked on tensor cores."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     for name, t, shape in (("q", q, (T, Hk, Dk)), ("k", k, (T, Hk, Dk)), ("v", v, (T, Hv, Dv)),
@@ -202,6 +212,7 @@ def chunk_gated_delta_rule(
     if Hv % Hk or Dk != Dv or cu_seqlens.dtype != torch.int32 or slot_ids.shape != (N,):
         raise ValueError(f"expected Hv % Hk == 0, Dk == Dv, int32 cu_seqlens and slot_ids [{N}]; got "
                          f"Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}, {cu_seqlens.dtype}, {tuple(slot_ids.shape)}")
+    _check_past(past, N)
     cfg = dict(config or _chunk_configs())
     BT, BV = cfg["BT"], cfg["BLOCK_V"]
     block_k = max(16, triton.next_power_of_2(Dk))  # tensor-core dots need K >= 16
@@ -217,12 +228,12 @@ def chunk_gated_delta_rule(
     )
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     _chunk_state_kernel[(N, Hv, triton.cdiv(Dv, BV))](
-        q, k, a, b, A_log, dt_bias, w, u0, state, slot_ids, cu_seqlens, o,
+        q, k, a, b, A_log, dt_bias, w, u0, state, slot_ids, cu_seqlens, slot_ids if past is None else past, o,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         w.stride(0), w.stride(1),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, INTERPRET=interpreting(),
+        DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, CONTINUE=past is not None, INTERPRET=interpreting(),
         num_warps=cfg["num_warps"],
     )
     return o

@@ -24,6 +24,7 @@ from batchinfer.engine.loader import load_engine
 from batchinfer.errors import ConfigError
 from batchinfer.models.generate import generate
 from batchinfer.models.qwen_moe import QwenMoeModel
+from kernel_checks import rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo-qwen3.5-moe"
@@ -103,6 +104,37 @@ def test_slots_refill_and_stop_rules():
         [prompts[1]], [SamplingParams(max_tokens=6, ignore_eos=True)], on_step=stop_second_step
     )[0]
     assert out.finish_reason == "stop" and len(out.token_ids) == 2
+
+
+def test_prompt_pieces_continue_the_slot_state():
+    """Chunked prefill at the model level: a 90-token prompt prefilled as 70 + 20 (the first piece on the
+    chunked DeltaNet kernel, the second on the token loop), beside a fresh prompt in the second pass,
+    gives the logits of one whole prefill."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
+    long, short = _random_prompts(cfg.vocab_size, [90, 11])
+    state = km.new_state(3, 100)
+    whole = km.prefill_prompts(state, [long, short], [0, 1]).float()
+    state = km.new_state(3, 100)
+    km.prefill_prompts(state, [long[:70]], [2])
+    pieces = km.prefill_prompts(state, [long[70:], short], [2, 0], starts=[70, 0]).float()
+    assert rel_err(pieces, whole) < 1e-2
+    assert torch.equal(pieces.argmax(-1), whole.argmax(-1))
+
+
+def test_long_prompts_are_prefilled_in_pieces_between_decode_steps():
+    """A prompt longer than a pass is prefilled over several passes while the other rows keep decoding;
+    greedy outputs are those of unchunked prefill."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
+    prompts = _random_prompts(cfg.vocab_size, [6, 75, 4, 9], seed=3)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 3, 10, 4)]
+    expected = FastGenerator(km, max_slots=3).generate(prompts, params)
+    gen = FastGenerator(km, max_slots=3, prefill_tokens=16)
+    steps: list[dict[int, int]] = []
+    outs = gen.generate(prompts, params, on_step=lambda t: steps.append(dict(t)))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert gen.stats["prefill_passes"] >= 6  # 75 tokens in pieces of at most 16
+    first_long = next(i for i, t in enumerate(steps) if 1 in t)
+    assert sum(0 in t for t in steps[:first_long]) >= 4  # request 0 decoded while the long one filled
 
 
 def test_prefill_out_of_memory_is_split_and_retried(monkeypatch, caplog):

@@ -7,6 +7,7 @@ from batchinfer.kernels.attention import (
     decode_attention,
     decode_attention_ref,
     prefill_attention,
+    prefill_attention_cached,
     prefill_attention_ref,
 )
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
@@ -41,6 +42,37 @@ def test_prefill_attention(monkeypatch, H, Hkv, Dh, gated):
     k2[37], v2[37] = rnd(Hkv, Dh), rnd(Hkv, Dh)
     out2 = prefill_attention(q, k2, v2, cu, max(lens), gate=gate)
     assert torch.equal(out2[:37], out[:37]) and not torch.equal(out2[37], out[37])
+
+
+@pytest.mark.parametrize("H,Hkv,Dh,gated", [(4, 2, 64, True), (4, 1, 32, False)])
+def test_cached_prefill_attention_continues_sequences(monkeypatch, H, Hkv, Dh, gated):
+    """Chunks of three sequences after 21, 0 and 5 cached tokens (not tile-aligned: the diagonal tile
+    starts mid-chunk) attend over their slots' caches exactly as the whole sequences would."""
+    poison_empty(monkeypatch)
+    past, chunk = [21, 0, 5], [19, 7, 1]
+    slots, max_len = [3, 0, 1], 48
+    kc, vc = _cache(4, Hkv, max_len, Dh)
+    full = [p + n for p, n in zip(past, chunk)]
+    fcu = torch.tensor([0, *torch.tensor(full).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    qg = rnd(sum(full), H, 2 * Dh)
+    q, gate = qg[..., :Dh], (qg[..., Dh:] if gated else None)
+    k, v = rnd(sum(full), Hkv, Dh), rnd(sum(full), Hkv, Dh)
+    rows = []  # each sequence's chunk rows in the packed full batch
+    for n, (s, p, c) in enumerate(zip(fcu.tolist(), past, chunk)):
+        kc[slots[n], :, : p + c] = k[s : s + p + c].transpose(0, 1)
+        vc[slots[n], :, : p + c] = v[s : s + p + c].transpose(0, 1)
+        kc[slots[n], :, p + c :] = float("nan")  # never read: past the chunk's end
+        rows += range(s + p, s + p + c)
+    cu = torch.tensor([0, *torch.tensor(chunk).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    ids = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    out = prefill_attention_cached(
+        q[rows], kc, vc, cu, ids, torch.tensor(past, dtype=torch.int32, device=DEV), max(chunk),
+        gate=gate[rows] if gated else None,
+    )
+    ref = prefill_attention_ref(q, k, v, fcu, gate=gate)[rows]
+    assert out.shape == ref.shape and rel_err(out, ref) < 1e-2
+    with pytest.raises(ValueError, match="past"):
+        prefill_attention_cached(q[rows], kc, vc, cu, ids, torch.tensor(past, device=DEV), max(chunk))
 
 
 def _cache(slots, Hkv, max_len, Dh):

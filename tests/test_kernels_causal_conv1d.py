@@ -35,6 +35,31 @@ def test_causal_conv1d_prefill(monkeypatch, C, K):
     assert torch.isnan(state[1].float()).all()  # untouched slots stay untouched
 
 
+@pytest.mark.parametrize("C,K", [(80, 4), (64, 2)])
+def test_later_pieces_continue_from_the_conv_state(monkeypatch, C, K):
+    """Chunked prefill: a 23-token sequence as 20 + 2 + 1 tokens (pieces shorter than K - 1 keep part of the
+    old state), beside fresh sequences in later passes whose stale slot state must not leak in; outputs
+    and final states as one whole prefill gives."""
+    poison_empty(monkeypatch)
+    x = rnd(30, C)
+    w = rnd(C, K, scale=0.5)
+    ref, ref_state = causal_conv1d_ref(x, w, torch.tensor([0, 23, 30], dtype=torch.int32))
+    state = torch.full((3, K - 1, C), float("nan"), dtype=BF16, device=DEV)  # stale: NaN
+    outs = []
+    for rows, cu, slots, past in [
+        (range(0, 20), [0, 20], [0], None),
+        (range(20, 22), [0, 2], [0], [20]),
+        ([22, *range(23, 30)], [0, 1, 8], [0, 2], [22, 0]),
+    ]:
+        cu = torch.tensor(cu, dtype=torch.int32, device=DEV)
+        past = None if past is None else torch.tensor(past, dtype=torch.int32, device=DEV)
+        slots = torch.tensor(slots, device=DEV)
+        outs.append(causal_conv1d(x[list(rows)], w, cu, int((cu[1:] - cu[:-1]).max()), state, slots, past))
+    assert rel_err(torch.cat(outs), ref) < 1e-2
+    assert torch.equal(state[[0, 2]].float().cpu(), ref_state.cpu())
+    assert torch.isnan(state[1].float()).all()
+
+
 def test_causal_conv1d_update_matches_prefill():
     """Decoding token by token from a prefilled state gives the same outputs as one long prefill."""
     C, K, L, P = 48, 4, 9, 5

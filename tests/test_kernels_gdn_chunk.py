@@ -105,3 +105,33 @@ def test_fla_core_computes_the_same_rule_gpu():
     ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu)
     assert rel_err(theirs, ref) < 1e-2 and rel_err(final, ref_final) < 1e-2
     assert rel_err(theirs, ours) < 1e-2 and rel_err(final, state) < 1e-2
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_later_pieces_continue_from_the_slot_state(monkeypatch, chunked):
+    """Chunked prefill: a 40-token sequence as 29 + 11 tokens (the second piece with `past` > 0 starts from
+    its slot's state), beside a fresh sequence in the second pass whose stale slot state must not leak in;
+    outputs and final states as the whole sequences give. Both prefill kernels (chunked and token loop)."""
+    poison_empty(monkeypatch)
+    D, Hv = 32, 4
+    cu_full = torch.tensor([0, 40, 63], dtype=torch.int32, device=DEV)
+    q, k, v, a, b, A_log, dt_bias = _inputs(63, 2, Hv, D, slow_decay=True)
+    ref, ref_final = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, cu_full)
+
+    def run(rows, cu, slots, past, longest):
+        cu = torch.tensor(cu, dtype=torch.int32, device=DEV)
+        slots = torch.tensor(slots, device=DEV)
+        past = None if past is None else torch.tensor(past, dtype=torch.int32, device=DEV)
+        x = [t[rows].contiguous() for t in (q, k, v, a, b)]
+        if chunked:
+            return chunk_gated_delta_rule(*x, A_log, dt_bias, state, slots, cu, longest, past=past)
+        return gated_delta_rule(*x, A_log, dt_bias, state, slots, cu_seqlens=cu, past=past)
+
+    state = torch.full((3, Hv, D, D), float("nan"), device=DEV)  # slot 2's stale state: NaN
+    first = run(list(range(29)), [0, 29], [0], None, 29)
+    second = run(list(range(29, 63)), [0, 11, 34], [0, 2], [29, 0], 23)
+    assert rel_err(torch.cat([first, second]), ref) < 1e-2
+    assert rel_err(state[[0, 2]], ref_final) < 1e-2
+    assert torch.isnan(state[1]).all()
+    with pytest.raises(ValueError, match="past"):
+        run(list(range(29, 40)), [0, 11], [0], [29, 0], 11)

@@ -1,13 +1,15 @@
 """The GPU engine's generation loop: static slots, continuous refill, CUDA-graphed decode steps.
 
 All requests are known up front (offline). Each running sequence owns a slot of the state pools
-(`KernelModel.new_state`), sized from free GPU memory and the longest prompt + max_tokens. Requests
-wait longest-output-first; whenever enough slots are free, waiting prompts are prefilled together
-(packed, up to `prefill_tokens` tokens a pass) and join the decode batch, which then runs one token per
-running sequence per step. A decode step is a CUDA graph replay for the smallest captured batch-size
-bucket >= the running count (padding rows point at a scratch slot), then greedy argmax or the fused
-sampler on the GPU; the sampled ids stay on the device as the next step's input, and one small copy
-per step brings them to the host for stop checks and callbacks.
+(`KernelModel.new_state`), sized from free GPU memory and the longest prompt + max_tokens. Requests wait
+longest-output-first; whenever enough slots are free, waiting prompts are prefilled together (packed, up to
+`prefill_tokens` tokens a pass) and join the decode batch, which then runs one token per running sequence
+per step. A prompt longer than a pass is prefilled in pieces (chunked prefill: each piece continues the
+slot's KV cache and DeltaNet state), one pass between decode steps, so a long prompt does not stall the
+running batch. A decode step is a CUDA graph replay for the smallest captured batch-size bucket >= the
+running count (padding rows point at a scratch slot), then greedy argmax or the fused sampler on the GPU;
+the sampled ids stay on the device as the next step's input, and one small copy per step brings them to the
+host for stop checks and callbacks.
 `generate` has the contract of `models.generate.generate`, so the text engine and the benchmark use
 either interchangeably.
 """
@@ -33,12 +35,13 @@ PREFILL_TOKENS = 16384  # prompt tokens per prefill pass
 MEMORY_RESERVE = 0.1  # of total GPU memory kept free for activations and the graphs' pool
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: `in` tests find the very sequence
 class _Seq:
     index: int  # request index
     prompt: list[int]
     params: SamplingParams
     slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the slot (chunked prefill)
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
 
@@ -188,39 +191,71 @@ class FastGenerator:
 
     # ---- prefill ----
 
-    def _prefill(self, group: list[_Seq]) -> list[int]:
-        """Prefill `group` (slots assigned) and sample each one's first token; splits on out-of-memory."""
-        try:
-            return self._prefill_pass(group)
-        except torch.OutOfMemoryError:
-            if len(group) == 1:
-                raise
-            torch.cuda.empty_cache()
-            half = len(group) // 2
-            log.warning(
-                "prefill of %d prompts ran out of GPU memory; retrying as %d + %d",
-                len(group),
-                half,
-                len(group) - half,
-            )
-            return self._prefill(group[:half]) + self._prefill(group[half:])
+    def _next_pass(
+        self, partial: list[_Seq], pending: deque[_Seq], free: list[int], refill: bool
+    ) -> list[tuple[_Seq, int]]:
+        """The pieces `(seq, tokens)` of the next prefill pass, at most `prefill_tokens` in all: prompts
+        already started first, then (when refilling) waiting prompts that fit whole; a prompt longer than
+        the budget starts alone and goes on in later passes (chunked prefill)."""
+        budget, pieces = self.prefill_tokens, []
+        for s in partial:
+            if budget == 0:
+                break
+            n = min(len(s.prompt) - s.prefilled, budget)
+            pieces.append((s, n))
+            budget -= n
+        while refill and pending and free and budget and (not pieces or len(pending[0].prompt) <= budget):
+            s = pending.popleft()
+            s.slot = free.pop()
+            pieces.append((s, min(len(s.prompt), budget)))
+            budget -= pieces[-1][1]
+        return pieces
 
-    def _prefill_pass(self, group: list[_Seq]) -> list[int]:
+    def _prefill(self, pieces: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int | None]]:
+        """Prefill the pieces (slots assigned); per piece `(seq, tokens prefilled, first output token or
+        None while its prompt is unfinished)`. On out-of-memory, splits the pass and retries, down to
+        halving a single piece."""
+        try:
+            return self._prefill_pass(pieces)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            if len(pieces) > 1:
+                half = len(pieces) // 2
+                log.warning("prefill of %d prompts ran out of GPU memory; retrying as %d + %d",
+                            len(pieces), half, len(pieces) - half)
+                return self._prefill(pieces[:half]) + self._prefill(pieces[half:])
+            s, n = pieces[0]
+            if n == 1:
+                raise
+            log.warning("prefill of %d tokens of request %d ran out of GPU memory; retrying with %d",
+                        n, s.index, n // 2)
+            return self._prefill([(s, n // 2)])
+
+    def _prefill_pass(self, pieces: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int | None]]:
         dev = self.device
-        logits = self.model.prefill_prompts(self._state, [s.prompt for s in group], [s.slot for s in group])
-        self.stats["prefill_passes"] += 1
-        p = [s.params for s in group]
-        n = len(group)
-        tokens = self._sample(
-            logits,
-            group,
-            torch.tensor([x.temperature for x in p], dtype=torch.float32).to(dev),
-            torch.tensor([x.top_k for x in p], dtype=torch.int32).to(dev),
-            torch.tensor([x.top_p for x in p], dtype=torch.float32).to(dev),
-            torch.tensor([x.seed for x in p], dtype=torch.int64).to(dev),
-            torch.zeros(n, dtype=torch.int64, device=dev),
+        logits = self.model.prefill_prompts(
+            self._state,
+            [s.prompt[s.prefilled : s.prefilled + n] for s, n in pieces],
+            [s.slot for s, _ in pieces],
+            starts=[s.prefilled for s, _ in pieces],
         )
-        return tokens.tolist()
+        self.stats["prefill_passes"] += 1
+        done = [i for i, (s, n) in enumerate(pieces) if s.prefilled + n == len(s.prompt)]
+        first: dict[int, int] = {}
+        if done:
+            group = [pieces[i][0] for i in done]
+            p = [s.params for s in group]
+            tokens = self._sample(
+                logits[done],
+                group,
+                torch.tensor([x.temperature for x in p], dtype=torch.float32).to(dev),
+                torch.tensor([x.top_k for x in p], dtype=torch.int32).to(dev),
+                torch.tensor([x.top_p for x in p], dtype=torch.float32).to(dev),
+                torch.tensor([x.seed for x in p], dtype=torch.int64).to(dev),
+                torch.zeros(len(group), dtype=torch.int64, device=dev),
+            )
+            first = dict(zip(done, tokens.tolist(), strict=True))
+        return [(s, n, first.get(i)) for i, (s, n) in enumerate(pieces)]
 
     # ---- the loop ----
 
@@ -250,22 +285,31 @@ class FastGenerator:
         pending = deque(sorted(seqs, key=lambda s: -s.params.max_tokens))
         free = list(range(slots - 1, -1, -1))
         running: list[_Seq] = []
+        partial: list[_Seq] = []  # prompts prefilled in part (longer than one pass)
         dirty = True
+        prefilled_last = False
         refill_at = max(1, slots // 8)
         with torch.inference_mode():
-            while pending or running:
-                if pending and free and (not running or len(free) >= min(refill_at, len(pending))):
-                    group, budget = [], self.prefill_tokens
-                    while pending and free and (not group or len(pending[0].prompt) <= budget):
-                        s = pending.popleft()
-                        s.slot = free.pop()
-                        budget -= len(s.prompt)
-                        group.append(s)
-                    self._record(group, self._prefill(group), stop_token_ids, on_step)
-                    running += [s for s in group if s.finish is None]
-                    free += [s.slot for s in group if s.finish is not None]
-                    dirty = True
+            while pending or running or partial:
+                refill = bool(pending and free) and (not running or len(free) >= min(refill_at, len(pending)))
+                # a long prompt's pieces alternate with decode steps, so it never stalls the batch
+                if (refill or partial) and not (partial and running and prefilled_last):
+                    started, first = [], []
+                    for s, n, token in self._prefill(self._next_pass(partial, pending, free, refill)):
+                        s.prefilled += n
+                        if token is not None:
+                            started.append(s)
+                            first.append(token)
+                        elif s not in partial:
+                            partial.append(s)
+                    partial = [s for s in partial if s not in started]
+                    if started:
+                        self._record(started, first, stop_token_ids, on_step)
+                    running += [s for s in started if s.finish is None]
+                    free += [s.slot for s in started if s.finish is not None]
+                    dirty = prefilled_last = True
                     continue
+                prefilled_last = False
                 if dirty:
                     self._load_rows(running)
                     dirty = False

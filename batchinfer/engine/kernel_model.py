@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchinfer.kernels.attention import decode_attention, prefill_attention
+from batchinfer.kernels.attention import decode_attention, prefill_attention, prefill_attention_cached
 from batchinfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
@@ -217,10 +217,13 @@ class KernelModel:
         slots: torch.Tensor,
         max_seqlen: int,
         all_logits: bool = False,
+        past: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Whole prompts packed: `ids`, `positions` (int32), `token_slots` (int64) `[T]`; `cu_seqlens`
-        int32 `[N + 1]`, `slots` int32 `[N]`. Fills the slots' state; returns bf16 logits `[N, V]` of each
-        prompt's last token, or with `all_logits` those of every token `[T, V]` (teacher forcing)."""
+        """Prompts packed: `ids`, `positions` (int32), `token_slots` (int64) `[T]`; `cu_seqlens` int32
+        `[N + 1]`, `slots` int32 `[N]`. Fills the slots' state; returns bf16 logits `[N, V]` of each
+        prompt's last token, or with `all_logits` those of every token `[T, V]` (teacher forcing). With
+        `past` (int32 `[N]`, chunked prefill) sequence n is a piece of a prompt whose first `past[n]`
+        tokens are in its slot already (0: a fresh start)."""
         c = self.config
         x, residual = embedding(ids, self.embed), None
         for i, layer in enumerate(self.layers):
@@ -230,10 +233,14 @@ class KernelModel:
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
                 state.k[i][token_slots, :, positions.long()] = k  # type: ignore[index]
                 state.v[i][token_slots, :, positions.long()] = v  # type: ignore[index]
-                o = prefill_attention(q, k, v, cu_seqlens, max_seqlen, gate=gate)
+                if past is None:
+                    o = prefill_attention(q, k, v, cu_seqlens, max_seqlen, gate=gate)
+                else:
+                    o = prefill_attention_cached(q, state.k[i], state.v[i], cu_seqlens, slots, past,  # type: ignore[arg-type]
+                                                 max_seqlen, gate=gate)
                 h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
             else:
-                h = self._deltanet(h, layer.mixer, state, i, slots, cu_seqlens, max_seqlen)
+                h = self._deltanet(h, layer.mixer, state, i, slots, cu_seqlens, max_seqlen, past)
             h, residual = add_rmsnorm(h, residual, layer.post_norm, c.rms_norm_eps, c.one_plus_norm)
             x = fused_moe(h, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
         if all_logits:
@@ -250,15 +257,22 @@ class KernelModel:
         prompts: Sequence[Sequence[int]],
         slots: Sequence[int],
         all_logits: bool = False,
+        starts: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """`prefill` of whole prompts (token-id lists) into `slots`; packs them on the host."""
+        """`prefill` of prompts (token-id lists) into `slots`; packs them on the host. `starts` (chunked
+        prefill): where each list begins in its sequence, whose earlier tokens are in the slot already."""
         dev, lens = self.device, [len(p) for p in prompts]
+        starts = starts or [0] * len(prompts)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64).to(dev)
-        positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]).to(dev)
+        spans = zip(starts, lens, strict=True)
+        positions = torch.cat([torch.arange(s, s + n, dtype=torch.int32) for s, n in spans])
         token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens)).to(dev)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(dev)
         slot_ids = torch.tensor(slots, dtype=torch.int32).to(dev)
-        return self.prefill(state, ids, positions, token_slots, cu, slot_ids, max(lens), all_logits)
+        past = torch.tensor(starts, dtype=torch.int32).to(dev) if any(starts) else None
+        return self.prefill(
+            state, ids, positions.to(dev), token_slots, cu, slot_ids, max(lens), all_logits, past
+        )
 
     def decode(
         self, state: SlotState, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
@@ -309,6 +323,7 @@ class KernelModel:
         slots: torch.Tensor,
         cu_seqlens: torch.Tensor | None,
         max_seqlen: int,
+        past: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = self.config
         T = h.shape[0]
@@ -320,7 +335,7 @@ class KernelModel:
         if cu_seqlens is None:
             mixed = causal_conv1d_update(proj[:, :C], w.conv, conv_state, slots)  # type: ignore[arg-type]
         else:
-            mixed = causal_conv1d(proj[:, :C], w.conv, cu_seqlens, max_seqlen, conv_state, slots)  # type: ignore[arg-type]
+            mixed = causal_conv1d(proj[:, :C], w.conv, cu_seqlens, max_seqlen, conv_state, slots, past)  # type: ignore[arg-type]
         q = mixed[:, : Hk * Dk].view(T, Hk, Dk)
         k = mixed[:, Hk * Dk : 2 * Hk * Dk].view(T, Hk, Dk)
         v = mixed[:, 2 * Hk * Dk :].view(T, Hv, Dv)
@@ -328,7 +343,7 @@ class KernelModel:
         b = proj[:, C + Hv * Dv : C + Hv * Dv + Hv]
         a = proj[:, C + Hv * Dv + Hv :]
         if cu_seqlens is None or max_seqlen <= RECURRENT_PREFILL_MAX:
-            o = gated_delta_rule(q, k, v, a, b, w.A_log, w.dt_bias, rec, slots, cu_seqlens)  # type: ignore[arg-type]
+            o = gated_delta_rule(q, k, v, a, b, w.A_log, w.dt_bias, rec, slots, cu_seqlens, past=past)  # type: ignore[arg-type]
         else:
             o = chunk_gated_delta_rule(
                 q,
@@ -342,6 +357,7 @@ class KernelModel:
                 slots,
                 cu_seqlens,  # type: ignore[arg-type]
                 max_seqlen,
+                past=past,
             )
         o = gated_rmsnorm(o, z, w.norm, c.rms_norm_eps)
         return o.reshape(T, Hv * Dv) @ w.out_proj.t()
