@@ -125,16 +125,16 @@ def test_long_prompts_are_prefilled_in_pieces_between_decode_steps():
     """A prompt longer than a pass is prefilled over several passes while the other rows keep decoding;
     greedy outputs are those of unchunked prefill."""
     cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
-    prompts = _random_prompts(cfg.vocab_size, [6, 75, 4, 9], seed=3)
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 3, 10, 4)]
+    prompts = _random_prompts(cfg.vocab_size, [6, 40, 4, 9], seed=3)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (6, 2, 5, 2)]
     expected = FastGenerator(km, max_slots=3).generate(prompts, params)
-    gen = FastGenerator(km, max_slots=3, prefill_tokens=16)
+    gen = FastGenerator(km, max_slots=3, prefill_tokens=12)
     steps: list[dict[int, int]] = []
     outs = gen.generate(prompts, params, on_step=lambda t: steps.append(dict(t)))
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
-    assert gen.stats["prefill_passes"] >= 6  # 75 tokens in pieces of at most 16
+    assert gen.stats["prefill_passes"] >= 5  # 40 tokens in pieces of at most 12, after the first pass
     first_long = next(i for i, t in enumerate(steps) if 1 in t)
-    assert sum(0 in t for t in steps[:first_long]) >= 4  # request 0 decoded while the long one filled
+    assert sum(0 in t for t in steps[:first_long]) >= 3  # request 0 decoded while the long one filled
 
 
 def test_prefill_out_of_memory_is_split_and_retried(monkeypatch, caplog):
