@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from kernel_checks import rel_err
 
 from batchinfer.bench.exactness import engine_exactness
 from batchinfer.checkpoint.loader import load_checkpoint
@@ -24,7 +25,6 @@ from batchinfer.engine.loader import load_engine
 from batchinfer.errors import ConfigError
 from batchinfer.models.generate import generate
 from batchinfer.models.qwen_moe import QwenMoeModel
-from kernel_checks import rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo-qwen3.5-moe"
