@@ -119,31 +119,34 @@ def _prefill_attn_kernel(
     m_start = pid_m * BLOCK_M
     if m_start >= seqlen:
         return
-    if CACHED:
-        past = tl.load(past_ptr + seq)
-        k_base = tl.load(slot_ptr + seq).to(tl.int64) * stride_ks
-        v_base = tl.load(slot_ptr + seq).to(tl.int64) * stride_vs
-    else:
-        past = 0
-        k_base = start * stride_kt
-        v_base = start * stride_vt
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < seqlen
     q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok)
-    k_ptrs = k_ptr + k_base + offs_n[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None]
-    v_ptrs = v_ptr + v_base + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+    if CACHED:  # positions and key counts include the slot's first `past` tokens
+        past = tl.load(past_ptr + seq)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        k_ptrs = k_ptr + slot * stride_ks + offs_n[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None]
+        v_ptrs = v_ptr + slot * stride_vs + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        pos_m = past + offs_m
+        kv_len = past + seqlen
+        diag = (past + m_start) // BLOCK_N * BLOCK_N  # tiles before it are visible to every row
+        diag_end = tl.minimum(kv_len, past + m_start + BLOCK_M)
+    else:
+        k_ptrs = k_ptr + (start + offs_n)[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None]
+        v_ptrs = v_ptr + (start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        pos_m = offs_m
+        kv_len = seqlen
+        diag = m_start
+        diag_end = tl.minimum(seqlen, m_start + BLOCK_M)
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    pos_m = past + offs_m
-    kv_len = past + seqlen
-    diag = (past + m_start) // BLOCK_N * BLOCK_N  # tiles before it are visible to every row
     for n_start in range(0, diag, BLOCK_N):  # fully visible tiles: no mask
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, pos_m, offs_n, n_start, kv_len,
                                     qk_scale, stride_kt, stride_vt, False, INTERPRET)
-    for n_start in range(diag, tl.minimum(kv_len, past + m_start + BLOCK_M), BLOCK_N):  # the diagonal
+    for n_start in range(diag, diag_end, BLOCK_N):  # the diagonal
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, pos_m, offs_n, n_start, kv_len,
                                     qk_scale, stride_kt, stride_vt, True, INTERPRET)
     acc = acc / l_i[:, None]

@@ -43,11 +43,13 @@ def _conv1d_kernel(
         for j in tl.static_range(K):
             src = offs_t - (K - 1) + j  # causal: tap j reads token t - (K - 1 - j), zero before the start
             m = (src >= 0)[:, None] & (offs_t < seqlen)[:, None] & c_ok[None, :]
-            x = tl.load(x_ptr + (start + src)[:, None] * stride_xt + offs_c[None, :], mask=m, other=0.0)
-            if CONTINUE:
+            ptrs = x_ptr + (start + src)[:, None] * stride_xt + offs_c[None, :]
+            if CONTINUE:  # one load a tap: taps before the chunk point into the slot's state
                 prev = (src < 0)[:, None] & (offs_t < seqlen)[:, None] & (c_ok & cont)[None, :]
                 s_ptrs = state_ptr + slot * stride_ss + (K - 1 + src)[:, None] * stride_sk + offs_c[None, :]
-                x = tl.where(prev, tl.load(s_ptrs, mask=prev, other=0.0).to(x.dtype), x)
+                ptrs = tl.where(prev, s_ptrs, ptrs)
+                m = m | prev
+            x = tl.load(ptrs, mask=m, other=0.0)
             w = tl.load(w_ptr + offs_c * stride_wc + j, mask=c_ok, other=0.0)
             acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
         out = acc * tl.sigmoid(acc)
@@ -120,6 +122,9 @@ def causal_conv1d(
         raise ValueError(f"cu_seqlens/slot_ids: expected int32 [N + 1] and [N], got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)} and {tuple(slot_ids.shape)}")
     _check_past(past, N)
+    if past is not None and conv_state.dtype != x.dtype:
+        raise ValueError(f"conv_state: expected {x.dtype} like x to continue a chunked prefill, got "
+                         f"{conv_state.dtype}")
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     block_t, block_c = (16, 64) if _interpreted() else (32, 256)
     _conv1d_kernel[(triton.cdiv(max(max_seqlen, 1), block_t), N, triton.cdiv(C, block_c))](

@@ -156,15 +156,15 @@ def _chunk_state_kernel(
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     S = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
     if CONTINUE:
         if tl.load(past_ptr + seq) > 0:
+            slot0 = tl.load(slot_ptr + seq).to(tl.int64)
+            s0 = state_ptr + slot0 * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
             if PAD:
-                S = tl.load(s_ptrs, mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+                S = tl.load(s0, mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
             else:
-                S = tl.load(s_ptrs).to(tl.float32)
+                S = tl.load(s0).to(tl.float32)
     for c0 in range(start, end, BT):
         t = c0 + rows
         ok = t < end
@@ -185,6 +185,8 @@ def _chunk_state_kernel(
         tl.store(o_ptrs, small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
         k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
         S = S * tl.exp(g_last) + _dot(tl.trans(k_tail), ud, INTERPRET)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     S = small_ops._to(S, state_ptr.dtype.element_ty, INTERPRET)
     if PAD:
         tl.store(s_ptrs, S, mask=k_ok[:, None] & v_ok[None, :])

@@ -129,6 +129,12 @@ def _attention_launches(H: int, Hkv: int, Dh: int, rot: int, gated: bool) -> Ite
     )
     kc, vc = _t(B, Hkv, L, Dh), _t(B, Hkv, L, Dh)
     lens, slots = torch.full((B,), L, dtype=torch.int32), torch.arange(B)
+    past, one = torch.full((1,), 100, dtype=torch.int32), slots[:1].int()
+    yield (
+        f"Dh={Dh} chunked prefill",
+        attention._prefill_attn_kernel,
+        lambda: attention.prefill_attention_cached(q, kc, vc, cu, one, past, T, gate=gate),
+    )
     qd, gd = q[:B], None if gate is None else gate[:B]
     decode = lambda ctx: attention.decode_attention(qd, kc, vc, slots, lens, max_seqlen=ctx, gate=gd)
     yield f"Dh={Dh} B={B} split-KV", attention._decode_attn_kernel, lambda: decode(L)
@@ -149,13 +155,21 @@ def _gdn_launches() -> Iterator[tuple]:
     s32, s16 = torch.zeros(T, Hv, D, D), torch.zeros(T, Hv, D, D, dtype=torch.bfloat16)
     yield "decode, fp32 state", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots)
     yield "decode, bf16 state", gdn._delta_rule_kernel, lambda: rule(s16, slot_ids=slots)
+    past = torch.full((1,), 100, dtype=torch.int32)  # a later piece of a chunked prefill
     yield "prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu)
-    chunk = lambda: gdn_chunk.chunk_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu, T)
+    yield "chunked prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu,
+                                                                  past=past)
+    chunk = lambda p=None: gdn_chunk.chunk_gated_delta_rule(
+        q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu, T, past=p
+    )
     yield "prefill", gdn_chunk._chunk_prep_kernel, chunk
     yield "prefill", gdn_chunk._chunk_state_kernel, chunk
+    yield "chunked prefill", gdn_chunk._chunk_state_kernel, lambda: chunk(past)
     cw, cs = _t(C, 4), _t(T, 3, C)
     conv = causal_conv1d
     yield "prefill", conv._conv1d_kernel, lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])
+    yield "chunked prefill", conv._conv1d_kernel, lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1],
+                                                                             past)
     yield "decode", conv._conv1d_update_kernel, lambda: conv.causal_conv1d_update(mixed, cw, cs, slots)
     yield "", gdn._gated_rmsnorm_kernel, lambda: gdn.gated_rmsnorm(v, v, _t(D), 1e-6)
 
