@@ -52,13 +52,13 @@ def test_cached_prefill_attention_continues_sequences(monkeypatch, H, Hkv, Dh, g
     past, chunk = [21, 0, 5], [19, 7, 1]
     slots, max_len = [3, 0, 1], 48
     kc, vc = _cache(4, Hkv, max_len, Dh)
-    full = [p + n for p, n in zip(past, chunk)]
+    full = [p + n for p, n in zip(past, chunk, strict=True)]
     fcu = torch.tensor([0, *torch.tensor(full).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     qg = rnd(sum(full), H, 2 * Dh)
     q, gate = qg[..., :Dh], (qg[..., Dh:] if gated else None)
     k, v = rnd(sum(full), Hkv, Dh), rnd(sum(full), Hkv, Dh)
     rows = []  # each sequence's chunk rows in the packed full batch
-    for n, (s, p, c) in enumerate(zip(fcu.tolist(), past, chunk)):
+    for n, (s, p, c) in enumerate(zip(fcu.tolist()[:-1], past, chunk, strict=True)):
         kc[slots[n], :, : p + c] = k[s : s + p + c].transpose(0, 1)
         vc[slots[n], :, : p + c] = v[s : s + p + c].transpose(0, 1)
         kc[slots[n], :, p + c :] = float("nan")  # never read: past the chunk's end
