@@ -273,6 +273,30 @@ def test_real_widths_exactness_on_gpu(preset, quant):
     assert result.passed, result
 
 
+@pytest.mark.gpu
+@GPU
+def test_real_widths_chunked_prefill_on_gpu():
+    """Qwen3.6 widths (gated attention with head_dim 256, DeltaNet, first 4 layers): a 3,000-token prompt
+    prefilled in pieces of 1,024 (chunked DeltaNet kernel, cached attention) gives the logits of one
+    whole prefill, beside a fresh 700-token prompt in the last pass."""
+    import dataclasses
+
+    from batchinfer.checkpoint.loader import model_config_from_hf
+    from batchinfer.checkpoint.presets import preset_config, random_weights
+
+    cfg = model_config_from_hf(preset_config("qwen3.6-35b-a3b"))
+    cfg = dataclasses.replace(cfg, num_hidden_layers=4, layer_types=cfg.layer_types[:4])
+    km = KernelModel(cfg, random_weights(cfg, device="cuda", scheme="mixed"))
+    long, short = _random_prompts(cfg.vocab_size, [3000, 700])
+    state = km.new_state(2, 3100)
+    whole = km.prefill_prompts(state, [long, short], [0, 1]).float()
+    state = km.new_state(2, 3100)
+    for start in (0, 1024):
+        km.prefill_prompts(state, [long[start : start + 1024]], [0], starts=[start])
+    pieces = km.prefill_prompts(state, [long[2048:], short], [0, 1], starts=[2048, 0]).float()
+    assert rel_err(pieces, whole) < 1e-2
+
+
 def test_generate_contract_matches_the_reference_generate():
     """Same finish reasons and lengths as `models.generate.generate` on the same requests."""
     cfg, ref, km = _models("tiny-qwen3-moe", "bf16")
