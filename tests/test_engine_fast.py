@@ -156,6 +156,32 @@ def test_prefill_out_of_memory_is_split_and_retried(monkeypatch, caplog):
     assert "ran out of GPU memory; retrying" in caplog.text
 
 
+def test_chunked_prefill_out_of_memory_restores_the_state(monkeypatch, caplog):
+    """A pass with a later piece of a chunked prompt that fails after touching the DeltaNet state (as a
+    real out-of-memory part-way through the layers would; here it leaves NaN) is retried from the state
+    the earlier pieces left."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
+    prompts = _random_prompts(cfg.vocab_size, [20, 3], seed=4)  # passes: 12; 8 + 3 (fails); 8; 3
+    params = [SamplingParams(max_tokens=2, ignore_eos=True)] * 2
+    expected = FastGenerator(km).generate(prompts, params)
+    gen = FastGenerator(km, prefill_tokens=12)
+    real = gen._prefill_pass
+
+    def fail_part_way(pieces):
+        if len(pieces) == 1:
+            return real(pieces)
+        rows = [s.slot for s, _ in pieces]
+        for pool in gen._state.conv + gen._state.recurrent:
+            if pool is not None:
+                pool[rows] = float("nan")
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(gen, "_prefill_pass", fail_part_way)
+    outs = gen.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert "ran out of GPU memory; retrying" in caplog.text
+
+
 def test_prepare_sizes_the_pools_once_for_a_whole_workload():
     """`prepare` (the benchmark's untimed warm-up) allocates for the whole workload; later calls with
     smaller needs keep the same pools (no reallocation, no graph recapture inside a timed run)."""

@@ -214,10 +214,16 @@ class FastGenerator:
     def _prefill(self, pieces: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int | None]]:
         """Prefill the pieces (slots assigned); per piece `(seq, tokens prefilled, first output token or
         None while its prompt is unfinished)`. On out-of-memory, splits the pass and retries, down to
-        halving a single piece."""
+        halving a single piece. Later pieces of chunked prompts get their slots' DeltaNet state back
+        before the retry (the failed pass may have advanced it in some layers)."""
+        later = [s.slot for s, _ in pieces if s.prefilled]
+        saved = None
         try:
+            saved = self._state.copy_rows(later) if later else None  # type: ignore[union-attr]
             return self._prefill_pass(pieces)
         except torch.OutOfMemoryError:
+            if saved is not None:
+                self._state.restore_rows(later, saved)  # type: ignore[union-attr]
             torch.cuda.empty_cache()
             if len(pieces) > 1:
                 half = len(pieces) // 2
