@@ -11,15 +11,15 @@ Per chunk of BT tokens with inclusive log-decay cumsum G, the WY form of the del
 Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, or from their slot's state for
 later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Two launches, as in FLA:
 `_chunk_prep_kernel` does everything that does not depend on S for all chunks at once (Tm by forward
-substitution, W = Tm (beta exp(G) K) and U0 = Tm (beta V), kept in bf16 workspaces), so only `U = U0 - W S`,
-the output and the state update stay on the sequential path of `_chunk_state_kernel` (one program per
-(sequence, v-head, v-tile) walking its chunks in order, the state in registers). Head dims that are not
-powers of two (the demo model's 48) run in tiles padded to the next one (at least 16, for the dots),
-zero-filled by masks that only padded shapes compile. Numerics: Tm and the state in fp32; dot operands in the
-input dtype (bf16) with fp32 accumulation, as FLA does; expected error vs `gdn.gated_delta_rule_ref` ~3e-3
-relative. Under the Triton CPU interpreter (`INTERPRET`, set by the launcher) the dots take fp32 operands and
-the bf16 casts round to nearest explicitly, working around Triton 3.9's interpreter; compiled code is
-unchanged.
+substitution, W = Tm (beta exp(G) K), U0 = Tm (beta V) and the decayed causal scores of Q K^T, kept in bf16
+workspaces), so only `U = U0 - W S`, the output and the state update stay on the sequential path of
+`_chunk_state_kernel` (one program per (sequence, v-head, v-tile) walking its chunks in order, the state in
+registers). Head dims that are not powers of two (the demo model's 48) run in tiles padded to the next one
+(at least 16, for the dots), zero-filled by masks that only padded shapes compile. Numerics: Tm and the state
+in fp32; dot operands in the input dtype (bf16) with fp32 accumulation, as FLA does; expected error vs
+`gdn.gated_delta_rule_ref` ~3e-3 relative. Under the Triton CPU interpreter (`INTERPRET`, set by the
+launcher) the dots take fp32 operands and the bf16 casts round to nearest explicitly, working around Triton
+3.9's interpreter; compiled code is unchanged.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from batchinfer.kernels.nvfp4_gemm import interpreting
 
 def _chunk_configs() -> dict[str, int]:
     """Chunk, v-tile and warps of the two launches, from the sm_90 compile report
-    (`python -m batchinfer.bench.sm90_report`), not yet timed on the H200: 64-token chunks keep
-    wgmma (M = 64); the prep launch fits 8 warps without spills, the state launch spills 56 B with
-    16-wide v-tiles on 8 warps (32-token chunks with 32-wide tiles on 4 warps spill nothing, on mma.sync)."""
+    (`python -m batchinfer.bench.sm90_report`): 64-token chunks keep wgmma (M = 64); both launches fit 8
+    warps without spills (the state launch spilled 72 B before its Q K^T scores moved to the prep launch).
+    Timed on the H200 before that move: 1.6 ms for 4,096 tokens of Qwen3.6 heads (docs/PERF.md)."""
     if _interpreted():
         return {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "prep_warps": 4}
     return {"BT": 64, "BLOCK_V": 16, "num_warps": 8, "prep_warps": 8}
@@ -84,13 +84,16 @@ def _l2_rows(ptr, t, ok, stride_t, offs_k, k_ok, scale, PAD: tl.constexpr, INTER
 
 @triton.jit
 def _chunk_prep_kernel(
-    k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr,  #
-    HV_PER_K,  #
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_wt, stride_wh,  #
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr, qk_ptr,  #
+    HV_PER_K, q_scale,  #
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
+    stride_wt, stride_wh, stride_qkt, stride_qkh,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BT: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
-    """Per (sequence, chunk, v-head): Tm = (I + A)^-1, W = Tm (beta e^G K) `[BT, DK]`, U0 = Tm (beta V)."""
+    """Per (sequence, chunk, v-head): Tm = (I + A)^-1, W = Tm (beta e^G K) `[BT, DK]`, U0 = Tm (beta V),
+    and the chunk's decayed causal scores [exp(G_t - G_s) q_t . k_s]_{s <= t} `[BT, BT]` (computed here
+    once, not in each v-tile program of the sequential kernel)."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(2)
@@ -128,15 +131,21 @@ def _chunk_prep_kernel(
         u = _dot(Td, small_ops._to(v.to(tl.float32) * beta[:, None], kd.dtype, INTERPRET), INTERPRET)
         tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + offs_v[None, :],
                  small_ops._to(u, kd.dtype, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
+        qd = _l2_rows(q_ptr + (h // HV_PER_K) * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD,
+                      INTERPRET)
+        qk = _dot(qd, tl.trans(kd), INTERPRET)
+        qk = qk * tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], -float("inf")))
+        tl.store(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :],
+                 small_ops._to(qk, kd.dtype, INTERPRET), mask=ok[:, None])
 
 
 @triton.jit
 def _chunk_state_kernel(
-    q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, state_ptr, slot_ptr, cu_ptr,  #
-    past_ptr, o_ptr,  #
+    q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qk_ptr, state_ptr, slot_ptr,  #
+    cu_ptr, past_ptr, o_ptr,  #
     HV_PER_K, q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt, stride_wt, stride_wh,  #
-    stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
+    stride_qkt, stride_qkh, stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr,  #
     CONTINUE: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
@@ -155,7 +164,6 @@ def _chunk_state_kernel(
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    causal = rows[:, None] >= rows[None, :]
     S = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
     if CONTINUE:
         if tl.load(past_ptr + seq) > 0:
@@ -177,10 +185,10 @@ def _chunk_state_kernel(
         u0 = tl.load(u_ptr + row_off + offs_v[None, :], mask=_tile_mask(ok, v_ok, PAD), other=0.0)
         Sd = small_ops._to(S, kd.dtype, INTERPRET)
         ud = small_ops._to(u0.to(tl.float32) - _dot(w, Sd, INTERPRET), kd.dtype, INTERPRET)  # [BT, BV]
-        qk = _dot(qd, tl.trans(kd), INTERPRET)
-        qk = qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
+        qk = tl.load(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :], mask=ok[:, None],
+                     other=0.0)
         o = _dot(qd, Sd, INTERPRET) * tl.exp(G)[:, None]
-        o = o + _dot(small_ops._to(qk, kd.dtype, INTERPRET), ud, INTERPRET)
+        o = o + _dot(qk, ud, INTERPRET)
         o_ptrs = o_ptr + t[:, None] * stride_ot + h * stride_oh + offs_v[None, :]
         tl.store(o_ptrs, small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
         k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
@@ -220,20 +228,22 @@ def chunk_gated_delta_rule(
     block_k = max(16, triton.next_power_of_2(Dk))  # tensor-core dots need K >= 16
     w = torch.empty((T, Hv, Dk), dtype=k.dtype, device=k.device)  # W, then U0 in the same layout
     u0 = torch.empty((T, Hv, Dv), dtype=k.dtype, device=k.device)
+    qk = torch.empty((T, Hv, BT), dtype=k.dtype, device=k.device)  # each token's row of its chunk's scores
     _chunk_prep_kernel[(N, triton.cdiv(max(max_seqlen, 1), BT), Hv)](
-        k, v, a, b, A_log, dt_bias, cu_seqlens, w, u0,
-        Hv // Hk,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        w.stride(0), w.stride(1),
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, w, u0, qk,
+        Hv // Hk, Dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), b.stride(0), w.stride(0), w.stride(1), qk.stride(0), qk.stride(1),
         DK=Dk, DV=Dv, BLOCK_K=block_k, BLOCK_DV=block_k, BT=BT, INTERPRET=interpreting(),
         num_warps=cfg["prep_warps"],
     )
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     _chunk_state_kernel[(N, Hv, triton.cdiv(Dv, BV))](
-        q, k, a, b, A_log, dt_bias, w, u0, state, slot_ids, cu_seqlens, slot_ids if past is None else past, o,
+        q, k, a, b, A_log, dt_bias, w, u0, qk, state, slot_ids, cu_seqlens,
+        slot_ids if past is None else past, o,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
-        w.stride(0), w.stride(1),
+        w.stride(0), w.stride(1), qk.stride(0), qk.stride(1),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, CONTINUE=past is not None, INTERPRET=interpreting(),
         num_warps=cfg["num_warps"],
