@@ -137,6 +137,24 @@ def test_long_prompts_are_prefilled_in_pieces_between_decode_steps():
     assert sum(0 in t for t in steps[:first_long]) >= 3  # request 0 decoded while the long one filled
 
 
+def test_nvfp4_experts_load_paired_where_the_widths_allow():
+    """Experts are repacked for the tensor-core MoE when D and I are multiples of 32; an intermediate
+    size of 48 (NVFP4 needs only 16) keeps the standard layout, and both run."""
+    import dataclasses
+
+    from batchinfer.checkpoint.loader import model_config_from_hf
+    from batchinfer.checkpoint.presets import preset_config, random_weights
+
+    base = model_config_from_hf(preset_config("tiny-qwen3-moe"))
+    for inter, paired in ((base.moe_intermediate_size, True), (48, False)):
+        cfg = dataclasses.replace(base, moe_intermediate_size=inter, num_hidden_layers=1,
+                                  layer_types=base.layer_types[:1])
+        km = KernelModel(cfg, random_weights(cfg, device=DEVICE, scheme="nvfp4"))
+        assert km.layers[0].moe.paired is paired
+        logits = km.prefill_prompts(km.new_state(1, 16), _random_prompts(cfg.vocab_size, [9]), [0])
+        assert torch.isfinite(logits).all()
+
+
 def test_prefill_out_of_memory_is_split_and_retried(monkeypatch, caplog):
     cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
     prompts = _random_prompts(cfg.vocab_size, [5, 7, 9])

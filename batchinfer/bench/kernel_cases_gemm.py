@@ -16,6 +16,7 @@ import torch
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
 from batchinfer.kernels.fp8_gemm import fp8_gemm
 from batchinfer.kernels.moe import fused_moe, moe_experts_ref, moe_route, moe_route_ref
+from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
 from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm
@@ -131,10 +132,12 @@ def moe_layer(cfg: ModelConfig, device: torch.device) -> MoEWeights:
 
 
 def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
-    """One layer's fused MoE, NVFP4 experts; bytes = expert bytes the routing actually touches."""
+    """One layer's fused MoE, NVFP4 experts in the engine's paired layout (the reference reads the
+    standard one); bytes = expert bytes the routing actually touches."""
     e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     shared = cfg.shared_expert_intermediate_size > 0
     w = moe_layer(cfg, device)
+    paired = pair_moe_weights(w)
     per_expert = 3 * (i * d // 2 + i * d // 16)
     probe = torch.randn(t, d, device=device, dtype=torch.bfloat16)
     touched = moe_route(probe @ w.router.t(), e, cfg.num_experts_per_tok, True, shared)[0].unique().numel()
@@ -148,7 +151,7 @@ def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
         return moe_experts_ref(hs[j], ids, route_w, w)
 
     return Timed(
-        run=lambda j: fused_moe(hs[j], w, top_k, True),
+        run=lambda j: fused_moe(hs[j], paired, top_k, True),
         n_sets=sets,
         bytes=touched * per_expert + io,
         flops=2 * t * slots * 3 * i * d,

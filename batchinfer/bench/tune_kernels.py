@@ -116,16 +116,17 @@ MOE_DECODE_DOWN = [
 
 def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, int, int]:
     """(time of `moe_experts` under a config, entries, experts, intermediate size) on one layer with 8
-    rotating inputs; an `MoETCConfig` runs on the same experts in `moe_tc`'s paired layout."""
+    rotating inputs; every path but the fused grouped GEMMs (`MoEConfig`, standard layout) runs on the
+    same experts in `moe_tc`'s paired layout, as the engine loads them."""
     cfg = bench_models()[model]
     w = moe_layer(cfg, dev)
-    paired = functools.cache(lambda: pair_moe_weights(w))  # a second copy of the experts, for MoETCConfig
+    paired = functools.cache(lambda: pair_moe_weights(w))  # a second copy of the experts
     hs = [torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for _ in range(8)]
     shared = cfg.shared_expert_intermediate_size > 0
     routes = [moe_route(h @ w.router.t(), cfg.num_experts, cfg.num_experts_per_tok, True, shared) for h in hs]
 
     def run(c: MoEPath) -> float:
-        ws = paired() if isinstance(c, MoETCConfig) else w
+        ws = w if isinstance(c, MoEConfig) else paired()
         return time_per_call(lambda i: moe_experts(hs[i], *routes[i], ws, config=c), len(hs), budget_s=0.05)
 
     return run, routes[0][0].numel(), w.w13.shape[0], w.intermediate

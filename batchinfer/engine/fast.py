@@ -224,18 +224,19 @@ class FastGenerator:
         except torch.OutOfMemoryError:
             if saved is not None:
                 self._state.restore_rows(later, saved)  # type: ignore[union-attr]
-            torch.cuda.empty_cache()
-            if len(pieces) > 1:
-                half = len(pieces) // 2
-                log.warning("prefill of %d prompts ran out of GPU memory; retrying as %d + %d",
-                            len(pieces), half, len(pieces) - half)
-                return self._prefill(pieces[:half]) + self._prefill(pieces[half:])
-            s, n = pieces[0]
-            if n == 1:
+            if len(pieces) == 1 and pieces[0][1] == 1:
                 raise
-            log.warning("prefill of %d tokens of request %d ran out of GPU memory; retrying with %d",
-                        n, s.index, n // 2)
-            return self._prefill([(s, n // 2)])
+        # Retried out here, once the error (and with its traceback the failed pass's activations) is gone.
+        torch.cuda.empty_cache()
+        if len(pieces) > 1:
+            half = len(pieces) // 2
+            log.warning("prefill of %d prompts ran out of GPU memory; retrying as %d + %d",
+                        len(pieces), half, len(pieces) - half)
+            return self._prefill(pieces[:half]) + self._prefill(pieces[half:])
+        s, n = pieces[0]
+        log.warning("prefill of %d tokens of request %d ran out of GPU memory; retrying with %d",
+                    n, s.index, n // 2)
+        return self._prefill([(s, n // 2)])
 
     def _prefill_pass(self, pieces: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int | None]]:
         dev = self.device

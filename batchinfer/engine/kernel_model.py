@@ -176,7 +176,9 @@ class KernelModel:
             shared,  # type: ignore[arg-type]
             dense_bf16(w[m + "shared_expert_gate"]) if shared is not None else None,
         )
-        if moe.nvfp4:  # the tensor-core MoE kernels read this layout; the decode path and grouped_mm too
+        if moe.nvfp4 and moe.hidden % 32 == 0 and moe.intermediate % 32 == 0:
+            # the tensor-core MoE kernels read this layout (the decode path and grouped_mm too); other
+            # widths keep the standard layout and the fused grouped GEMMs
             moe = pair_moe_weights(moe)
         return LayerWeights(
             w[p + "input_layernorm"].to(torch.bfloat16),
