@@ -9,17 +9,18 @@ Per chunk of BT tokens with inclusive log-decay cumsum G, the WY form of the del
   O        = exp(G) * (Q S) + [exp(G_t - G_s) q_t . k_s]_{s <= t} U
   S'       = exp(G_last) S + (exp(G_last - G) * K)^T U
 Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, or from their slot's state for
-later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Two launches, as in FLA:
-`_chunk_prep_kernel` does everything that does not depend on S for all chunks at once (Tm by forward
-substitution, W = Tm (beta exp(G) K), U0 = Tm (beta V) and the decayed causal scores of Q K^T, kept in bf16
-workspaces), so only `U = U0 - W S`, the output and the state update stay on the sequential path of
-`_chunk_state_kernel` (one program per (sequence, v-head, v-tile) walking its chunks in order, the state in
-registers). Head dims that are not powers of two (the demo model's 48) run in tiles padded to the next one
-(at least 16, for the dots), zero-filled by masks that only padded shapes compile. Numerics: Tm and the state
-in fp32; dot operands in the input dtype (bf16) with fp32 accumulation, as FLA does; expected error vs
-`gdn.gated_delta_rule_ref` ~3e-3 relative. Under the Triton CPU interpreter (`INTERPRET`, set by the
-launcher) the dots take fp32 operands and the bf16 casts round to nearest explicitly, working around Triton
-3.9's interpreter; compiled code is unchanged.
+later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Three launches, as in FLA:
+`_chunk_prep_kernel` does everything that depends on neither S nor the other chunks, for all chunks at once
+(Tm by forward substitution, W = Tm (beta exp(G) K), U0 = Tm (beta V) and the decayed causal scores of Q K^T,
+kept in bf16 workspaces); `_chunk_state_kernel` walks each sequence's chunks in order (one program per
+(sequence, v-head, v-tile), the state in registers) and does only U = U0 - W S and the state update, writing
+U and the state entering each chunk (bf16); `_chunk_out_kernel` then computes every chunk's outputs at once,
+O = exp(G) (Q S) + scores U. Head dims that are not powers of two (the demo model's 48) run in tiles padded
+to the next one (at least 16, for the dots), zero-filled by masks that only padded shapes compile. Numerics:
+Tm and the state in fp32; dot operands in the input dtype (bf16) with fp32 accumulation, as FLA does;
+expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative. Under the Triton CPU interpreter (`INTERPRET`,
+set by the launcher) the dots take fp32 operands and the bf16 casts round to nearest explicitly, working
+around Triton 3.9's interpreter; compiled code is unchanged.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
 def _chunk_configs() -> dict[str, int]:
-    """Chunk, v-tile and warps of the two launches, from the sm_90 compile report
-    (`python -m batchinfer.bench.sm90_report`): 64-token chunks keep wgmma (M = 64); both launches fit 8
-    warps without spills (the state launch spilled 72 B before its Q K^T scores moved to the prep launch).
-    Timed on the H200 before that move: 1.6 ms for 4,096 tokens of Qwen3.6 heads (docs/PERF.md)."""
+    """Chunk, v-tile and warps of the three launches, from the sm_90 compile report
+    (`python -m batchinfer.bench.sm90_report`): 64-token chunks keep wgmma (M = 64); all fit 8 warps
+    without spills. Timed on the H200 only in the earlier two-launch form (outputs on the sequential
+    path): 1.6 ms for 4,096 tokens of Qwen3.6 heads (docs/PERF.md)."""
     if _interpreted():
-        return {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "prep_warps": 4}
-    return {"BT": 64, "BLOCK_V": 16, "num_warps": 8, "prep_warps": 8}
+        return {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "prep_warps": 4, "out_warps": 4}
+    return {"BT": 64, "BLOCK_V": 16, "num_warps": 8, "prep_warps": 8, "out_warps": 8}
 
 
 @triton.jit
@@ -141,16 +142,17 @@ def _chunk_prep_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qk_ptr, state_ptr, slot_ptr,  #
-    cu_ptr, past_ptr, o_ptr,  #
-    HV_PER_K, q_scale,  #
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt, stride_wt, stride_wh,  #
-    stride_qkt, stride_qkh, stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
+    k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, state_ptr, slot_ptr, cu_ptr, past_ptr,  #
+    base_ptr, h_ptr, vn_ptr,  #
+    HV_PER_K,  #
+    stride_kt, stride_kh, stride_at, stride_bt, stride_wt, stride_wh,  #
+    stride_hc, stride_hh, stride_hk, stride_ss, stride_sh, stride_sk,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr,  #
     CONTINUE: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
-    """Per (sequence, v-head, v-tile), chunks in order: U = U0 - W S, the outputs, the state update. S
-    starts at zero, or (CONTINUE and past[seq] > 0: a later piece of a chunked prefill) from the slot."""
+    """Per (sequence, v-head, v-tile), chunks in order: the state entering the chunk (bf16, for the output
+    launch), U = U0 - W S (likewise), the state update. S starts at zero, or (CONTINUE and past[seq] > 0:
+    a later piece of a chunked prefill) from the slot."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (DV % BLOCK_V != 0)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -173,24 +175,25 @@ def _chunk_state_kernel(
                 S = tl.load(s0, mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
             else:
                 S = tl.load(s0).to(tl.float32)
+    h_ptrs = h_ptr + tl.load(base_ptr + seq).to(tl.int64) * stride_hc + h * stride_hh
+    h_ptrs = h_ptrs + offs_k[:, None] * stride_hk + offs_v[None, :]
     for c0 in range(start, end, BT):
         t = c0 + rows
         ok = t < end
         kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
-        qd = _l2_rows(q_ptr + hk * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD, INTERPRET)
         beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias)
         g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), axis=0)  # padded rows add 0 to G
         row_off = t[:, None] * stride_wt + h * stride_wh
         w = tl.load(w_ptr + row_off + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
         u0 = tl.load(u_ptr + row_off + offs_v[None, :], mask=_tile_mask(ok, v_ok, PAD), other=0.0)
         Sd = small_ops._to(S, kd.dtype, INTERPRET)
+        if PAD:
+            tl.store(h_ptrs, Sd, mask=k_ok[:, None] & v_ok[None, :])
+        else:
+            tl.store(h_ptrs, Sd)
+        h_ptrs += stride_hc
         ud = small_ops._to(u0.to(tl.float32) - _dot(w, Sd, INTERPRET), kd.dtype, INTERPRET)  # [BT, BV]
-        qk = tl.load(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :], mask=ok[:, None],
-                     other=0.0)
-        o = _dot(qd, Sd, INTERPRET) * tl.exp(G)[:, None]
-        o = o + _dot(qk, ud, INTERPRET)
-        o_ptrs = o_ptr + t[:, None] * stride_ot + h * stride_oh + offs_v[None, :]
-        tl.store(o_ptrs, small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
+        tl.store(vn_ptr + row_off + offs_v[None, :], ud, mask=_tile_mask(ok, v_ok, PAD))
         k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
         S = S * tl.exp(g_last) + _dot(tl.trans(k_tail), ud, INTERPRET)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
@@ -200,6 +203,49 @@ def _chunk_state_kernel(
         tl.store(s_ptrs, S, mask=k_ok[:, None] & v_ok[None, :])
     else:
         tl.store(s_ptrs, S)
+
+
+@triton.jit
+def _chunk_out_kernel(
+    q_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, h_ptr, vn_ptr, cu_ptr, base_ptr, o_ptr,  #
+    HV_PER_K, q_scale,  #
+    stride_qt, stride_qh, stride_at, stride_bt, stride_qkt, stride_qkh,  #
+    stride_hc, stride_hh, stride_hk, stride_ut, stride_uh, stride_ot, stride_oh,  #
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BT: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
+):
+    """Per (sequence, chunk, v-head), all at once: O = exp(G) * (Q S) + scores U, with S the state
+    entering the chunk and U its deltas, both from the state launch."""
+    PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(2)
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    c0 = start + tl.program_id(1) * BT
+    if c0 < end:
+        rows = tl.arange(0, BT)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_v = tl.arange(0, BLOCK_DV)
+        k_ok = offs_k < DK
+        v_ok = offs_v < DV
+        t = c0 + rows
+        ok = t < end
+        qd = _l2_rows(q_ptr + (h // HV_PER_K) * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD,
+                      INTERPRET)
+        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a,
+                         tl.load(dt_bias_ptr + h).to(tl.float32))
+        chunk = tl.load(base_ptr + seq).to(tl.int64) + tl.program_id(1)
+        s_ptrs = h_ptr + chunk * stride_hc + h * stride_hh + offs_k[:, None] * stride_hk + offs_v[None, :]
+        Sd = tl.load(s_ptrs, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        qk = tl.load(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :], mask=ok[:, None],
+                     other=0.0)
+        ud = tl.load(vn_ptr + t[:, None] * stride_ut + h * stride_uh + offs_v[None, :],
+                     mask=_tile_mask(ok, v_ok, PAD), other=0.0)
+        o = _dot(qd, Sd, INTERPRET) * tl.exp(G)[:, None]
+        o = o + _dot(qk, ud, INTERPRET)
+        o_ptrs = o_ptr + t[:, None] * stride_ot + h * stride_oh + offs_v[None, :]
+        tl.store(o_ptrs, small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
 
 
 def chunk_gated_delta_rule(
@@ -226,10 +272,15 @@ def chunk_gated_delta_rule(
     cfg = dict(config or _chunk_configs())
     BT, BV = cfg["BT"], cfg["BLOCK_V"]
     block_k = max(16, triton.next_power_of_2(Dk))  # tensor-core dots need K >= 16
-    w = torch.empty((T, Hv, Dk), dtype=k.dtype, device=k.device)  # W, then U0 in the same layout
+    w = torch.empty((T, Hv, Dk), dtype=k.dtype, device=k.device)  # W, then U0 and U in the same layout
     u0 = torch.empty((T, Hv, Dv), dtype=k.dtype, device=k.device)
     qk = torch.empty((T, Hv, BT), dtype=k.dtype, device=k.device)  # each token's row of its chunk's scores
-    _chunk_prep_kernel[(N, triton.cdiv(max(max_seqlen, 1), BT), Hv)](
+    chunks = torch.div(cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1, BT, rounding_mode="floor")
+    base = (chunks.cumsum(0) - chunks).to(torch.int32)  # each sequence's first chunk (no host sync)
+    states = torch.empty((T // BT + N, Hv, Dk, Dv), dtype=k.dtype, device=k.device)  # entering each chunk
+    u = torch.empty((T, Hv, Dv), dtype=k.dtype, device=k.device)
+    grid = (N, triton.cdiv(max(max_seqlen, 1), BT), Hv)
+    _chunk_prep_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, cu_seqlens, w, u0, qk,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -237,15 +288,24 @@ def chunk_gated_delta_rule(
         DK=Dk, DV=Dv, BLOCK_K=block_k, BLOCK_DV=block_k, BT=BT, INTERPRET=interpreting(),
         num_warps=cfg["prep_warps"],
     )
-    o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     _chunk_state_kernel[(N, Hv, triton.cdiv(Dv, BV))](
-        q, k, a, b, A_log, dt_bias, w, u0, qk, state, slot_ids, cu_seqlens,
-        slot_ids if past is None else past, o,
+        k, a, b, A_log, dt_bias, w, u0, state, slot_ids, cu_seqlens, slot_ids if past is None else past,
+        base, states, u,
+        Hv // Hk,
+        k.stride(0), k.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1),
+        states.stride(0), states.stride(1), states.stride(2),
+        state.stride(0), state.stride(1), state.stride(2),
+        DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, CONTINUE=past is not None,
+        INTERPRET=interpreting(), num_warps=cfg["num_warps"],
+    )
+    o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
+    _chunk_out_kernel[grid](
+        q, a, b, A_log, dt_bias, qk, states, u, cu_seqlens, base, o,
         Hv // Hk, Dk**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
-        w.stride(0), w.stride(1), qk.stride(0), qk.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, CONTINUE=past is not None, INTERPRET=interpreting(),
-        num_warps=cfg["num_warps"],
+        q.stride(0), q.stride(1), a.stride(0), b.stride(0), qk.stride(0), qk.stride(1),
+        states.stride(0), states.stride(1), states.stride(2), u.stride(0), u.stride(1),
+        o.stride(0), o.stride(1),
+        DK=Dk, DV=Dv, BLOCK_K=block_k, BLOCK_DV=block_k, BT=BT, INTERPRET=interpreting(),
+        num_warps=cfg["out_warps"],
     )
     return o

@@ -165,6 +165,7 @@ def _gdn_launches() -> Iterator[tuple]:
     yield "prefill", gdn_chunk._chunk_prep_kernel, chunk
     yield "prefill", gdn_chunk._chunk_state_kernel, chunk
     yield "chunked prefill", gdn_chunk._chunk_state_kernel, lambda: chunk(past)
+    yield "prefill", gdn_chunk._chunk_out_kernel, chunk
     cw, cs = _t(C, 4), _t(T, 3, C)
     conv = causal_conv1d
     yield "prefill", conv._conv1d_kernel, lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])

@@ -182,7 +182,7 @@ def sweep_gdn(dev: torch.device) -> list[dict[str, Any]]:
         q, k, v, a, b, A_log, dt_bias, state, slots, cu, T // seqs, config=c
     )
     configs = [_chunk_configs()] + [
-        dict(BT=bt, BLOCK_V=bv, num_warps=w, prep_warps=8) for bt, bv, w in GDN_CHUNK
+        dict(BT=bt, BLOCK_V=bv, num_warps=w, prep_warps=8, out_warps=8) for bt, bv, w in GDN_CHUNK
     ]
     return rows + _sweep(
         f"gdn chunked prefill T={T} seqs={seqs}", configs, chunk, lambda c: chunk(c, 0), ref, 1, {"tokens": T}
