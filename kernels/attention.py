@@ -280,7 +280,11 @@ def prefill_attention_cached(
     return _launch_prefill(q, k_cache, v_cache, cu_seqlens, slot_ids, past, max_seqlen, gate, scale, config)
 
 
-def _launch_prefill(q, k, v, cu_seqlens, slot_ids, past, max_seqlen, gate, scale, config) -> torch.Tensor:
+def _launch_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    slot_ids: torch.Tensor | None, past: torch.Tensor | None, max_seqlen: int, gate: torch.Tensor | None,
+    scale: float | None, config: dict[str, int] | None,
+) -> torch.Tensor:
     """`k, v`: packed `[T, Hkv, Dh]`, or the cache `[slots, Hkv, max_len, Dh]` when `slot_ids` is given."""
     T, H, Dh = q.shape
     Hkv = k.shape[1]

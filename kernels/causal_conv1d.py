@@ -62,12 +62,11 @@ def _conv1d_kernel(
         for j in tl.static_range(K - 1):
             src = seqlen - (K - 1) + j
             src_ok = (src + tl.zeros_like(offs_c)) >= 0
-            before = (src + tl.zeros_like(offs_c)) < 0
             x = tl.load(x_ptr + (start + src) * stride_xt + offs_c, mask=c_ok & src_ok, other=0.0)
             if CONTINUE:  # a chunk shorter than K - 1 keeps part of the old state (entry j + seqlen,
                 # read before this loop overwrites it: j + seqlen > j)
                 old = tl.load(state_ptr + slot * stride_ss + (j + seqlen) * stride_sk + offs_c,
-                              mask=c_ok & before & cont, other=0.0)
+                              mask=c_ok & (src_ok == 0) & cont, other=0.0)
                 x = tl.where(src_ok, x, old.to(x.dtype))
             tl.store(state_ptr + slot * stride_ss + j * stride_sk + offs_c, x.to(state_ptr.dtype.element_ty),
                      mask=c_ok)

@@ -181,7 +181,7 @@ def _chunk_state_kernel(
         t = c0 + rows
         ok = t < end
         kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
-        beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias)
+        _, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias)
         g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), axis=0)  # padded rows add 0 to G
         row_off = t[:, None] * stride_wt + h * stride_wh
         w = tl.load(w_ptr + row_off + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
@@ -233,7 +233,7 @@ def _chunk_out_kernel(
         qd = _l2_rows(q_ptr + (h // HV_PER_K) * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD,
                       INTERPRET)
         neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a,
+        _, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a,
                          tl.load(dt_bias_ptr + h).to(tl.float32))
         chunk = tl.load(base_ptr + seq).to(tl.int64) + tl.program_id(1)
         s_ptrs = h_ptr + chunk * stride_hc + h * stride_hh + offs_k[:, None] * stride_hk + offs_v[None, :]

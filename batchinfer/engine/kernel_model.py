@@ -99,11 +99,14 @@ class SlotState:
     def max_len(self) -> int:
         return next(t.shape[2] for t in self.k if t is not None) if any(t is not None for t in self.k) else 0
 
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        dev = next(t.device for t in self.k + self.conv if t is not None)
+        return torch.tensor(list(slots), dtype=torch.int64, device=dev)
+
     def copy_rows(self, slots: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Copies of the DeltaNet conv and recurrent state of `slots`: a prefill pass that fails part-way
         has advanced them in some layers, and a later piece of a chunked prefill starts from them."""
-        dev = next(t.device for t in self.k + self.conv if t is not None)
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=dev)
+        idx = self._index(slots)
         pools = zip(self.conv, self.recurrent, strict=True)
         return [None if c is None else (c[idx], r[idx]) for c, r in pools]  # type: ignore[index]
 
@@ -111,8 +114,7 @@ class SlotState:
         self, slots: Sequence[int], rows: list[tuple[torch.Tensor, torch.Tensor] | None]
     ) -> None:
         """Put back what `copy_rows` took (KV entries need nothing: a retry rewrites the same positions)."""
-        dev = next(t.device for t in self.k + self.conv if t is not None)
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=dev)
+        idx = self._index(slots)
         for c, r, saved in zip(self.conv, self.recurrent, rows, strict=True):
             if saved is not None:
                 c[idx], r[idx] = saved  # type: ignore[index]
