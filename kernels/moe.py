@@ -101,14 +101,14 @@ def _moe_configs(
         if numel <= DECODE_MAX_ENTRIES and avg <= 1.0:
             return _decode_config(numel)
         if interpreting():
-            return MoETCConfig(16, (64, 4, 1), (64, 4, 1))
+            return MoETCConfig(16, (64, 4, 1, 1), (64, 4, 1, 1))
         if numel * intermediate >= TC_GROUPED_MM_MIN_WORK:
             return MoEGroupedMMConfig()
         if avg <= 2:
-            return MoETCConfig(16, (64, 4, 4), (64, 4, 3))
+            return MoETCConfig(16, (64, 4, 4, 1), (64, 4, 3, 1))
         if avg <= 16:
-            return MoETCConfig(32, (64, 4, 3), (64, 4, 3))
-        return MoETCConfig(64, (64, 4, 3), (64, 4, 4))
+            return MoETCConfig(32, (64, 4, 3, 1), (64, 4, 3, 1))
+        return MoETCConfig(64, (64, 4, 3, 1), (64, 4, 4, 1))
     if nvfp4 and numel <= DECODE_MAX_ENTRIES:
         return _decode_config(numel)
     if numel >= GROUPED_MM_MIN_ENTRIES and not interpreting():

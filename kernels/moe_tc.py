@@ -43,11 +43,13 @@ from batchinfer.kernels.nvfp4_gemm import bf16_rne, e2m1_to_f32, e4m3_to_f32, in
 
 @dataclass(frozen=True, slots=True)
 class MoETCConfig:
-    """BLOCK_M (tokens a tile, also the alignment), then per GEMM (BLOCK_N, num_warps, num_stages)."""
+    """BLOCK_M (tokens a tile, also the alignment), then per GEMM (BLOCK_N, num_warps, num_stages, STEPS):
+    STEPS 32-code blocks a loop iteration (unrolled), which spreads the loop's fixed cost (scale loads,
+    wgmma fences, addressing) over more codes."""
 
     block_m: int
-    gate_up: tuple[int, int, int]
-    down: tuple[int, int, int]
+    gate_up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
 
 
 def pair_groups(packed: torch.Tensor) -> torch.Tensor:
@@ -113,7 +115,8 @@ def _moe_tc_kernel(
     sorted_ptr, block_expert_ptr, num_padded_ptr,  #
     NUMEL, N, K, A_DIV,  #
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GATE_UP: tl.constexpr, INTERPRET: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr, GATE_UP: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
     """GATE_UP: out[entry, n] = silu(gate[n] . a[tok]) * (up[n] . a[tok]), tok = entry // A_DIV.
     Else (down): out[entry, n] = route_w[entry] * (w[n] . a[entry]). One expert's BLOCK_M entries and
@@ -134,15 +137,17 @@ def _moe_tc_kernel(
     x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [16, BLOCK_M]: x^T
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(0, K, 32):
-        xa = tl.load(x_ptrs + k, mask=valid[None, :], other=0.0)
-        xb = tl.load(x_ptrs + k + 16, mask=valid[None, :], other=0.0)
-        if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
-            xa, xb = xa.to(tl.float32), xb.to(tl.float32)
-        acc = _pair_step(w_ptrs + k // 2, s_ptrs + k // 16, mask_n, xa, xb, acc, INTERPRET)
-        if GATE_UP:
-            acc_up = _pair_step(w_ptrs + N * stride_wn + k // 2, s_ptrs + N * stride_sn + k // 16, mask_n,
-                                xa, xb, acc_up, INTERPRET)
+    for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
+        for u in tl.static_range(STEPS):
+            k = k0 + 32 * u
+            xa = tl.load(x_ptrs + k, mask=valid[None, :], other=0.0)
+            xb = tl.load(x_ptrs + k + 16, mask=valid[None, :], other=0.0)
+            if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
+                xa, xb = xa.to(tl.float32), xb.to(tl.float32)
+            acc = _pair_step(w_ptrs + k // 2, s_ptrs + k // 16, mask_n, xa, xb, acc, INTERPRET)
+            if GATE_UP:
+                acc_up = _pair_step(w_ptrs + N * stride_wn + k // 2, s_ptrs + N * stride_sn + k // 16,
+                                    mask_n, xa, xb, acc_up, INTERPRET)
     if GATE_UP:
         acc = acc * (tl.load(ts_ptr + e * 2) * 67108864.0)  # tensor scale * 2^26
         acc_up = acc_up * (tl.load(ts_ptr + e * 2 + 1) * 67108864.0)
@@ -159,13 +164,16 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
     wt, st = (w.w13, w.w13_scale) if gate_up else (w.w2, w.w2_scale)
     ts = w.w13_tensor_scale if gate_up else w.w2_tensor_scale
     n = w.intermediate if gate_up else w.hidden
-    block_n, warps, stages = cfg.gate_up if gate_up else cfg.down
+    block_n, warps, stages, steps = cfg.gate_up if gate_up else cfg.down
+    k = a.shape[1]
+    while k % (32 * steps):  # fewer blocks an iteration where K is not a multiple (K % 32 == 0 always)
+        steps //= 2
     _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #
         sorted_ids, block_expert, num_padded,  #
-        numel, n, a.shape[1], a_div,  #
+        numel, n, k, a_div,  #
         a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), out.stride(0),  #
-        BLOCK_N=block_n, BLOCK_M=cfg.block_m, GATE_UP=gate_up, INTERPRET=interpreting(),  #
+        BLOCK_N=block_n, BLOCK_M=cfg.block_m, STEPS=steps, GATE_UP=gate_up, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=stages,  #
     )
 

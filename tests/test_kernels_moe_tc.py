@@ -16,8 +16,8 @@ from batchinfer.kernels.moe_tc import MoETCConfig, pair_groups, pair_moe_weights
 from test_kernels_moe import DEVICE, _rel, _route, _weights
 
 CFGS = [
-    MoETCConfig(16, (16, 1, 1), (16, 1, 1)),
-    MoETCConfig(32, (64, 4, 2), (64, 4, 2)),  # I = 96 not a multiple of the tile: masked rows
+    MoETCConfig(16, (16, 1, 1, 1), (16, 1, 1, 2)),
+    MoETCConfig(32, (64, 4, 2, 2), (64, 4, 2, 1)),  # I = 96 not a multiple of the tile: masked rows
 ]
 
 
@@ -146,7 +146,8 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
     g = torch.Generator().manual_seed(t)
     h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
     ids, route_w = moe_route(h @ w.router.t(), e, 8, True, shared)
-    for cfg in (MoETCConfig(16, (64, 4, 3), (64, 4, 3)), MoETCConfig(32, (128, 8, 3), (128, 8, 3))):
+    cfgs = (MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 4)), MoETCConfig(32, (128, 8, 3, 1), (128, 8, 3, 1)))
+    for cfg in cfgs:
         out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
         assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
 
