@@ -105,10 +105,10 @@ def _moe_configs(
         if numel * intermediate >= TC_GROUPED_MM_MIN_WORK:
             return MoEGroupedMMConfig()
         if avg <= 2:
-            return MoETCConfig(16, (64, 4, 4, 1), (64, 4, 3, 1))
+            return MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2))
         if avg <= 16:
-            return MoETCConfig(32, (64, 4, 3, 1), (64, 4, 3, 1))
-        return MoETCConfig(64, (64, 4, 3, 1), (64, 4, 4, 1))
+            return MoETCConfig(32, (64, 4, 3, 2), (64, 4, 3, 2))
+        return MoETCConfig(64, (64, 4, 3, 2), (64, 4, 3, 2))
     if nvfp4 and numel <= DECODE_MAX_ENTRIES:
         return _decode_config(numel)
     if numel >= GROUPED_MM_MIN_ENTRIES and not interpreting():
