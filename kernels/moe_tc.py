@@ -44,8 +44,8 @@ from batchinfer.kernels.nvfp4_gemm import bf16_rne, e2m1_to_f32, e4m3_to_f32, in
 @dataclass(frozen=True, slots=True)
 class MoETCConfig:
     """BLOCK_M (tokens a tile, also the alignment), then per GEMM (BLOCK_N, num_warps, num_stages, STEPS):
-    STEPS 32-code blocks a loop iteration (unrolled), which spreads the loop's fixed cost (scale loads,
-    wgmma fences, addressing) over more codes."""
+    STEPS (1 or 2) 32-code blocks a loop iteration (unrolled), which spreads the loop's fixed cost (scale
+    loads, wgmma fences, addressing) over more codes."""
 
     block_m: int
     gate_up: tuple[int, int, int, int]
@@ -83,8 +83,8 @@ _HI_PTX = tl.constexpr(_ptx(2, 8))
 
 @triton.jit
 def _scale(s):
-    """e4m3 bits (uint8) -> bf16 value * 2^100 (exact)."""
-    return (e4m3_to_f32(s) * 3.2451855365842673e32).to(tl.bfloat16)  # * 2^108
+    """e4m3 bits (uint8) -> fp32 value * 2^100 (exact in bf16)."""
+    return e4m3_to_f32(s) * 3.2451855365842673e32  # * 2^108
 
 
 @triton.jit
@@ -100,11 +100,26 @@ def _weight(b, s, HI: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _pair_step(w_ptrs, s_ptrs, mask_n, xa, xb, acc, INTERPRET: tl.constexpr):
-    """acc + W[:, k : k+32] @ x^T for one 32-code block: 16 bytes a row, two K=16 MMAs."""
+def _iteration_scales(s, BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
+    """A row's 2 STEPS block scales of one iteration [BN, 2 STEPS] (fp32) -> ((A, B) of block 0, (A, B) of
+    block 1 (block 0's again when STEPS is 1)), each [BN] (splits within a thread's registers)."""
+    if STEPS == 1:
+        a0, b0 = tl.split(s)
+        a1, b1 = a0, b0
+    else:
+        a, b = tl.split(tl.reshape(s, (BLOCK_N, STEPS, 2)))
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _pair_step(w_ptrs, sa, sb, mask_n, xa, xb, acc, INTERPRET: tl.constexpr):
+    """acc + W[:, k : k+32] @ x^T for one 32-code block: 16 bytes a row, two K=16 MMAs; sa, sb [BN] the
+    block's two scales (fp32 from `_scale`)."""
     b = tl.load(w_ptrs, mask=mask_n[:, None], other=0).to(tl.int32)
-    sa = _scale(tl.load(s_ptrs, mask=mask_n, other=0))[:, None]
-    sb = _scale(tl.load(s_ptrs + 1, mask=mask_n, other=0))[:, None]
+    sa = sa.to(tl.bfloat16)[:, None]
+    sb = sb.to(tl.bfloat16)[:, None]
     acc = tl.dot(_weight(b, sa, False, INTERPRET), xa, acc)
     return tl.dot(_weight(b, sb, True, INTERPRET), xb, acc)
 
@@ -133,21 +148,29 @@ def _moe_tc_kernel(
     mask_n = rows < N
     j = tl.arange(0, 16)
     w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + j[None, :]
-    s_ptrs = s_ptr + e * stride_se + rows * stride_sn
+    # an iteration's 2 STEPS block scales of a row are contiguous: one load a row (pipelined by cp.async),
+    # not 2 STEPS byte loads that stall on L1 (ncu, H200)
+    s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 2 * STEPS)[None, :]
     x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [16, BLOCK_M]: x^T
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
+        sc = _iteration_scales(_scale(tl.load(s_ptrs + k0 // 16, mask=mask_n[:, None], other=0)), BLOCK_N,
+                               STEPS)
+        sc_up = sc
+        if GATE_UP:
+            sc_up = _iteration_scales(_scale(tl.load(s_ptrs + N * stride_sn + k0 // 16, mask=mask_n[:, None],
+                                                     other=0)), BLOCK_N, STEPS)
         for u in tl.static_range(STEPS):
             k = k0 + 32 * u
             xa = tl.load(x_ptrs + k, mask=valid[None, :], other=0.0)
             xb = tl.load(x_ptrs + k + 16, mask=valid[None, :], other=0.0)
             if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
                 xa, xb = xa.to(tl.float32), xb.to(tl.float32)
-            acc = _pair_step(w_ptrs + k // 2, s_ptrs + k // 16, mask_n, xa, xb, acc, INTERPRET)
+            acc = _pair_step(w_ptrs + k // 2, sc[2 * u], sc[2 * u + 1], mask_n, xa, xb, acc, INTERPRET)
             if GATE_UP:
-                acc_up = _pair_step(w_ptrs + N * stride_wn + k // 2, s_ptrs + N * stride_sn + k // 16,
-                                    mask_n, xa, xb, acc_up, INTERPRET)
+                acc_up = _pair_step(w_ptrs + N * stride_wn + k // 2, sc_up[2 * u], sc_up[2 * u + 1], mask_n,
+                                    xa, xb, acc_up, INTERPRET)
     if GATE_UP:
         acc = acc * (tl.load(ts_ptr + e * 2) * 67108864.0)  # tensor scale * 2^26
         acc_up = acc_up * (tl.load(ts_ptr + e * 2 + 1) * 67108864.0)
@@ -166,8 +189,10 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
     n = w.intermediate if gate_up else w.hidden
     block_n, warps, stages, steps = cfg.gate_up if gate_up else cfg.down
     k = a.shape[1]
-    while k % (32 * steps):  # fewer blocks an iteration where K is not a multiple (K % 32 == 0 always)
-        steps //= 2
+    if steps not in (1, 2):
+        raise ValueError(f"MoETCConfig: STEPS must be 1 or 2, got {steps}")
+    if k % (32 * steps):  # one block an iteration where K is not a multiple of 64 (K % 32 == 0 always)
+        steps = 1
     _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #
         sorted_ids, block_expert, num_padded,  #
