@@ -75,9 +75,11 @@ class MoEDecodeConfig:
 
 
 # Entries (tokens x slots) up to which NVFP4 experts take the decode path: 32 tokens of 9 slots. Against
-# the fused grouped GEMMs (standard layout); paired experts also need at most one entry per expert on
-# average (`_moe_configs`).
+# the fused grouped GEMMs (standard layout); against `moe_tc` (paired experts) the decode path also needs
+# at most DECODE_MAX_PER_EXPERT entries an expert on average: on the H200 it wins at 0.25-0.28 and loses
+# at 0.42-0.5 on both models (`moe_tc` at 21b74a1, docs/PERF_KERNELS.md).
 DECODE_MAX_ENTRIES = 288
+DECODE_MAX_PER_EXPERT = 0.35
 # Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill),
 # against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) the crossover
 # scales with the expert width: entries x intermediate size, ~31k x 512 (Qwen3.6) and ~19k x 768
@@ -92,13 +94,14 @@ def _moe_configs(
     numel: int, experts: int, intermediate: int, nvfp4: bool = True, paired: bool = False
 ) -> MoEPath:
     """By entries and average entries per expert, from `tune_kernels` on the H200 at both models' shapes
-    (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the decode path up to one entry per
-    expert, `moe_tc` up to TC_GROUPED_MM_MIN_WORK (entries x `intermediate`), then grouped_mm. Standard
-    layout: the decode path, the fused grouped GEMMs, grouped_mm. The interpreter (CPU tests) keeps to
-    wide tiles and never picks grouped_mm unless a test asks for it."""
+    (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the decode path up to
+    DECODE_MAX_PER_EXPERT entries an expert, `moe_tc` up to TC_GROUPED_MM_MIN_WORK (entries x
+    `intermediate`), then grouped_mm. Standard layout: the decode path, the fused grouped GEMMs,
+    grouped_mm. The interpreter (CPU tests) keeps to wide tiles and never picks grouped_mm unless a test
+    asks for it."""
     avg = numel / experts
     if paired:
-        if numel <= DECODE_MAX_ENTRIES and avg <= 1.0:
+        if numel <= DECODE_MAX_ENTRIES and avg <= DECODE_MAX_PER_EXPERT:
             return _decode_config(numel)
         if interpreting():
             return MoETCConfig(16, (64, 4, 1, 1), (64, 4, 1, 1))

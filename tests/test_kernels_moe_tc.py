@@ -95,11 +95,14 @@ def test_paired_experts_decode_to_the_same_bf16():
 
 
 def test_paired_experts_follow_the_timed_table(monkeypatch):
-    """Paired experts (the engine's): the decode path up to one entry per expert, `moe_tc` above, then
+    """Paired experts (the engine's): the decode path up to ~0.35 entries an expert, `moe_tc` above, then
     grouped_mm where entries x intermediate reach the crossover timed on the H200 (both models' widths)."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
-    assert isinstance(moe._moe_configs(216, 257, 512, paired=True), MoEDecodeConfig)  # Qwen3.6, T=24
+    assert isinstance(moe._moe_configs(72, 257, 512, paired=True), MoEDecodeConfig)  # Qwen3.6, T=8
+    assert isinstance(moe._moe_configs(108, 257, 512, paired=True), MoETCConfig)  # T=12
     assert isinstance(moe._moe_configs(288, 257, 512, paired=True), MoETCConfig)  # T=32
+    assert isinstance(moe._moe_configs(32, 128, 768, paired=True), MoEDecodeConfig)  # Qwen3-30B, T=4
+    assert isinstance(moe._moe_configs(64, 128, 768, paired=True), MoETCConfig)  # T=8
     assert moe._moe_configs(2304, 257, 512, paired=True).block_m == 32  # T=256
     assert isinstance(moe._moe_configs(18432, 257, 512, paired=True), MoETCConfig)  # T=2048
     assert isinstance(moe._moe_configs(36864, 257, 512, paired=True), MoEGroupedMMConfig)  # T=4096
