@@ -23,7 +23,7 @@ from typing import IO
 from batchinfer.jobs import attempts
 from batchinfer.jobs.plan import Plan
 
-from batchinfer.errors import BatchinferError, InputError
+from batchinfer.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,14 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 
 def worker_argv(job_dir: Path) -> list[str]:
-    """This installation's `batchinfer run --output DIR`: the resumable runner every executor starts."""
+    """This installation's `batchinfer run --output DIR`: the resumable runner every executor starts. The
+    console script next to this Python, else the one on PATH, else `python -m batchinfer` with this
+    Python (a source checkout on PYTHONPATH has no script; the workers inherit the environment)."""
     exe = Path(sys.executable).with_name("batchinfer")
     if not exe.exists():
         found = shutil.which("batchinfer")
         if found is None:
-            raise BatchinferError(f"cannot find the `batchinfer` command next to {sys.executable} or on PATH")
+            return [str(Path(sys.executable).absolute()), "-m", "batchinfer", "run", "--output", str(job_dir)]
         exe = Path(found)
     return [str(exe.absolute()), "run", "--output", str(job_dir)]
 

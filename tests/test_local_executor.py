@@ -61,6 +61,21 @@ def test_gpus_on_a_cpu_machine_is_a_clear_error(monkeypatch):
     assert "run without --gpus to use the CPU" in str(e.value)
 
 
+def test_workers_fall_back_to_python_m_batchinfer_without_a_console_script(tmp_path, monkeypatch):
+    """A source checkout on PYTHONPATH has no `batchinfer` script: workers run `python -m batchinfer`."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))
+    monkeypatch.setattr(local.shutil, "which", lambda name: None)
+    assert local.worker_argv(tmp_path / "job") == [
+        str(tmp_path / "python3"), "-m", "batchinfer", "run", "--output", str(tmp_path / "job")
+    ]
+
+
+def test_python_m_batchinfer_is_the_command_line():
+    out = subprocess.run([sys.executable, "-m", "batchinfer", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Usage: batchinfer [OPTIONS] COMMAND")
+
+
 def _output_ids(job_dir):
     ids = []
     for path in (job_dir / commit.SHARDS_DIR).glob("*/*.parquet"):

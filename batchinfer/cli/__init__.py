@@ -51,9 +51,10 @@ def cli(verbose: int, quiet: bool) -> None:
     )
 
 
-def main() -> None:
+def main(prog_name: str | None = None) -> None:
+    """The console script's entry; `python -m batchinfer` passes its own name for click's usage lines."""
     try:
-        cli(standalone_mode=False)
+        cli(standalone_mode=False, prog_name=prog_name)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
