@@ -81,22 +81,20 @@ class MoEDecodeConfig:
 DECODE_MAX_ENTRIES = 288
 DECODE_MAX_PER_EXPERT = 0.35
 # Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill),
-# against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) the crossover
-# scales with the expert width: entries x intermediate size, ~31k x 512 (Qwen3.6) and ~19k x 768
-# (Qwen3-30B) interpolated from `tune_kernels` on the H200 (docs/PERF_KERNELS.md).
+# against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) entries an expert:
+# `moe_tc` wins at 143 (Qwen3.6, 4,096 tokens) and 128 (Qwen3-30B, 2,048), grouped_mm at 215 and 192
+# (timed on the H200 at 2f6bc72, docs/PERF_KERNELS.md).
 GROUPED_MM_MIN_ENTRIES = 8192
-TC_GROUPED_MM_MIN_WORK = 15_000_000
+TC_GROUPED_MM_MIN_PER_EXPERT = 160
 
 MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig | MoETCConfig
 
 
-def _moe_configs(
-    numel: int, experts: int, intermediate: int, nvfp4: bool = True, paired: bool = False
-) -> MoEPath:
+def _moe_configs(numel: int, experts: int, nvfp4: bool = True, paired: bool = False) -> MoEPath:
     """By entries and average entries per expert, from `tune_kernels` on the H200 at both models' shapes
     (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the decode path up to
-    DECODE_MAX_PER_EXPERT entries an expert, `moe_tc` up to TC_GROUPED_MM_MIN_WORK (entries x
-    `intermediate`), then grouped_mm. Standard layout: the decode path, the fused grouped GEMMs,
+    DECODE_MAX_PER_EXPERT entries an expert, `moe_tc` up to TC_GROUPED_MM_MIN_PER_EXPERT, then
+    grouped_mm. Standard layout: the decode path, the fused grouped GEMMs,
     grouped_mm. The interpreter (CPU tests) keeps to wide tiles and never picks grouped_mm unless a test
     asks for it."""
     avg = numel / experts
@@ -105,7 +103,7 @@ def _moe_configs(
             return _decode_config(numel)
         if interpreting():
             return MoETCConfig(16, (64, 4, 1, 1), (64, 4, 1, 1))
-        if numel * intermediate >= TC_GROUPED_MM_MIN_WORK:
+        if avg >= TC_GROUPED_MM_MIN_PER_EXPERT:
             return MoEGroupedMMConfig()
         if avg <= 2:
             return MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2))
@@ -555,7 +553,7 @@ def moe_experts(
     if numel == 0:
         return torch.zeros_like(h)
     experts = w.w13.shape[0]
-    cfg = config or _moe_configs(numel, experts, w.intermediate, w.nvfp4, w.paired)
+    cfg = config or _moe_configs(numel, experts, w.nvfp4, w.paired)
     if isinstance(cfg, MoETCConfig) and not w.paired:
         raise ValueError("MoETCConfig: expected experts in the paired layout (moe_tc.pair_moe_weights)")
     if isinstance(cfg, MoEConfig) and w.paired:

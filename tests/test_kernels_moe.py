@@ -118,9 +118,9 @@ def test_decode_path_matches_reference(cfg, shared):
 
 def test_decode_path_is_the_small_batch_default(monkeypatch):
     monkeypatch.setattr(moe, "DECODE_MAX_ENTRIES", 4)
-    assert isinstance(moe._moe_configs(4, 4, 32), MoEDecodeConfig)
-    assert isinstance(moe._moe_configs(5, 4, 32), MoEConfig)
-    assert isinstance(moe._moe_configs(4, 4, 32, nvfp4=False), MoEConfig)
+    assert isinstance(moe._moe_configs(4, 4), MoEDecodeConfig)
+    assert isinstance(moe._moe_configs(5, 4), MoEConfig)
+    assert isinstance(moe._moe_configs(4, 4, nvfp4=False), MoEConfig)
     w = _weights(4, 32, 16, True, False, seed=51)
     ids, route_w, g = _route(3, 2, 4, seed=52)
     h = torch.randn(3, 32, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -158,9 +158,9 @@ def test_dequantized_experts_are_the_reference_weights():
 def test_grouped_mm_path_is_the_large_batch_default(monkeypatch):
     monkeypatch.setattr(moe, "GROUPED_MM_MIN_ENTRIES", 1000)
     monkeypatch.setattr(moe, "interpreting", lambda: False)
-    assert isinstance(moe._moe_configs(1000, 8, 32), MoEGroupedMMConfig)
-    assert isinstance(moe._moe_configs(999, 8, 32), MoEConfig)
-    assert isinstance(moe._moe_configs(1000, 8, 32, nvfp4=False), MoEGroupedMMConfig)
+    assert isinstance(moe._moe_configs(1000, 8), MoEGroupedMMConfig)
+    assert isinstance(moe._moe_configs(999, 8), MoEConfig)
+    assert isinstance(moe._moe_configs(1000, 8, nvfp4=False), MoEGroupedMMConfig)
 
 
 def test_decode_path_refuses_bf16_experts():

@@ -96,18 +96,19 @@ def test_paired_experts_decode_to_the_same_bf16():
 
 def test_paired_experts_follow_the_timed_table(monkeypatch):
     """Paired experts (the engine's): the decode path up to ~0.35 entries an expert, `moe_tc` above, then
-    grouped_mm where entries x intermediate reach the crossover timed on the H200 (both models' widths)."""
+    grouped_mm from ~160 entries an expert, the crossovers timed on the H200 at both models' widths."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
-    assert isinstance(moe._moe_configs(72, 257, 512, paired=True), MoEDecodeConfig)  # Qwen3.6, T=8
-    assert isinstance(moe._moe_configs(108, 257, 512, paired=True), MoETCConfig)  # T=12
-    assert isinstance(moe._moe_configs(288, 257, 512, paired=True), MoETCConfig)  # T=32
-    assert isinstance(moe._moe_configs(32, 128, 768, paired=True), MoEDecodeConfig)  # Qwen3-30B, T=4
-    assert isinstance(moe._moe_configs(64, 128, 768, paired=True), MoETCConfig)  # T=8
-    assert moe._moe_configs(2304, 257, 512, paired=True).block_m == 32  # T=256
-    assert isinstance(moe._moe_configs(18432, 257, 512, paired=True), MoETCConfig)  # T=2048
-    assert isinstance(moe._moe_configs(36864, 257, 512, paired=True), MoEGroupedMMConfig)  # T=4096
-    assert isinstance(moe._moe_configs(16384, 128, 768, paired=True), MoETCConfig)  # Qwen3-30B, T=2048
-    assert isinstance(moe._moe_configs(24576, 128, 768, paired=True), MoEGroupedMMConfig)  # T=3072
+    assert isinstance(moe._moe_configs(72, 257, paired=True), MoEDecodeConfig)  # Qwen3.6, T=8
+    assert isinstance(moe._moe_configs(108, 257, paired=True), MoETCConfig)  # T=12
+    assert isinstance(moe._moe_configs(288, 257, paired=True), MoETCConfig)  # T=32
+    assert isinstance(moe._moe_configs(32, 128, paired=True), MoEDecodeConfig)  # Qwen3-30B, T=4
+    assert isinstance(moe._moe_configs(64, 128, paired=True), MoETCConfig)  # T=8
+    assert moe._moe_configs(2304, 257, paired=True).block_m == 32  # T=256
+    assert isinstance(moe._moe_configs(18432, 257, paired=True), MoETCConfig)  # T=2048
+    assert isinstance(moe._moe_configs(36864, 257, paired=True), MoETCConfig)  # T=4096
+    assert isinstance(moe._moe_configs(55296, 257, paired=True), MoEGroupedMMConfig)  # T=6144
+    assert isinstance(moe._moe_configs(16384, 128, paired=True), MoETCConfig)  # Qwen3-30B, T=2048
+    assert isinstance(moe._moe_configs(24576, 128, paired=True), MoEGroupedMMConfig)  # T=3072
 
 
 def test_paired_experts_run_moe_tc_by_default():
@@ -117,7 +118,7 @@ def test_paired_experts_run_moe_tc_by_default():
     ids, route_w, g = _route(6, 3, 5, seed=78)
     h = torch.randn(6, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     paired = pair_moe_weights(w)
-    assert isinstance(moe._moe_configs(ids.numel(), 5, 32, paired=True), MoETCConfig)
+    assert isinstance(moe._moe_configs(ids.numel(), 5, paired=True), MoETCConfig)
     out = moe_experts(h, ids, route_w, paired)
     assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
     assert _rel(out, moe_experts(h, ids, route_w, w)) < 5e-3

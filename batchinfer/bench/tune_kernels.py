@@ -136,7 +136,7 @@ def tune_moe(model: str, t: int, dev: torch.device) -> dict:
     """Gate_up tiles with the table's down tiles, then down tiles with the best gate_up, per BLOCK_M; beside
     them the grouped-GEMM path (experts decoded to bf16, `torch._grouped_mm`), for GROUPED_MM_MIN_ENTRIES."""
     run, numel, experts, inter = _moe_timer(model, t, dev)
-    table = _moe_configs(numel, experts, inter)
+    table = _moe_configs(numel, experts)
     if not isinstance(table, MoEConfig):  # decode path or grouped_mm's T: tune from the first guess
         table = MoEConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
     timings = {table: run(table)}
@@ -190,7 +190,7 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
         c = MoEDecodeConfig(gate_up, tiles)
         timings[c] = timings[c] if c in timings else run(c)
     best = min(timings, key=timings.get)
-    grouped = _moe_configs(numel, experts, inter, nvfp4=False)  # the grouped table's choice at this size
+    grouped = _moe_configs(numel, experts, nvfp4=False)  # the grouped table's choice at this size
     return {
         "kind": "moe_decode",
         "model": model,
@@ -231,7 +231,7 @@ def tune_moe_tc(model: str, t: int, dev: torch.device) -> dict:
             c = MoETCConfig(bm, gate_up, tiles)
             timings[c] = timings[c] if c in timings else run(c)
     best = min(timings, key=timings.get)
-    table = _moe_configs(numel, experts, inter, paired=True)  # the engine's choice (paired experts)
+    table = _moe_configs(numel, experts, paired=True)  # the engine's choice (paired experts)
     return {
         "kind": "moe_tc",
         "model": model,
