@@ -13,7 +13,9 @@ sm_90 TTGIR: no shared-memory copy of the decoded weight).
 That needs one block scale per row for each K=16 MMA, so the codes are repacked once (`pair_groups`):
 within each 32-code block of a row (two 16-code scale groups A, B) byte j holds A's code j in its low
 nibble and B's code j in its high nibble. A step loads 16 bytes a row; the low nibbles are group A in K
-order (one MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]).
+order (one MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]). A loop iteration covers
+STEPS such blocks and loads a row's 2 STEPS block scales in one load, which Triton pipelines by cp.async
+with the codes (one-byte scale loads cannot be, and stalled the warps on L1: ncu on the H200, session 6).
 
 Decode (`_weight`, inline PTX on pairs of bytes): the code's sign goes to bit 15 and its three magnitude
 bits to bits 6-8 of a bf16 (code * 2^-126, E2M1's subnormal 0.5 included), times the block scale as a
@@ -23,7 +25,7 @@ SASS (Triton 3.6): 7.8 (gate_up) and 9.7 (down) instructions a code a thread at 
 each code serving every token of its tile. Entries are grouped by expert with `moe_align` (BLOCK_M-padded,
 as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a sum over each
 token's slots finishes. The engine loads its NVFP4 experts paired, and `moe._moe_configs` sends batches
-of more than one entry per expert here, up to where grouped_mm wins (timed on the H200 with `tune_kernels
+of more than ~0.35 entries an expert here, up to where grouped_mm wins (timed on the H200 with `tune_kernels
 --kinds moe_tc`, docs/PERF_KERNELS.md). Against `moe_experts_ref` (fp32)
 expect the bf16 rounding of the intermediates, ~1e-3..1e-2.
 """
