@@ -92,3 +92,31 @@ def test_format_table_marks_targets():
         "| nvfp4_gemm | qwen3.6 | q_proj N=8192 K=2048 | 1 | 3.5 | 2.69 | 67% | 0.0 | 0% | cublas_bf16 10.5 "
         "| bandwidth>=70%: NOT met |"
     )
+
+
+def test_moe_paths_times_every_path_the_table_chooses_between(monkeypatch):
+    """`tune_kernels --kinds moe_paths` plumbing on CPU (the timer is faked: timing needs a GPU): each
+    path once, the table's choice beside them."""
+    from batchinfer.kernels.moe import MoEDecodeConfig, MoEGroupedMMConfig
+    from batchinfer.kernels.moe_tc import MoETCConfig
+
+    from batchinfer.bench import tune_kernels
+
+    seen = []
+
+    def fake_timer(model, t, dev):
+        def run(c):
+            seen.append(c)
+            return 1e-6 * len(seen)
+
+        return run, t * 9, 257, 512
+
+    monkeypatch.setattr(tune_kernels, "_moe_timer", fake_timer)
+    r = tune_kernels.time_moe_paths("qwen3.6", 12, torch.device("cpu"))
+    assert list(r["us"]) == ["decode", "moe_tc16", "moe_tc32", "moe_tc64", "moe_tc128", "grouped_mm"]
+    assert isinstance(seen[0], MoEDecodeConfig) and isinstance(seen[-1], MoEGroupedMMConfig)
+    assert [c.block_m for c in seen[1:-1]] == [16, 32, 64, 128]
+    assert all(isinstance(c, MoETCConfig) for c in seen[1:-1])
+    assert r["entries"] == 108 and r["per_expert"] == pytest.approx(108 / 257)
+    assert r["us"]["grouped_mm"] == pytest.approx(6.0)
+    assert r["table"][0] in ("MoETCConfig", "MoEDecodeConfig")

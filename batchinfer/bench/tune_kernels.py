@@ -1,11 +1,12 @@
 """Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
 
 Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds
-nvfp4,fp8,moe,moe_decode,moe_tc`); the winners go by hand into `_nvfp4_gemm_configs` / `_fp8_gemm_configs`
-/ `_moe_configs` (and `DECODE_MAX_ENTRIES`, from where the decode path stops beating the grouped GEMMs).
-Logs one line per (kernel, shape, M) with the best config next to the current table's choice (and, for
-the linears, cuBLAS bf16 on the same shape; for the MoE decode path, the grouped GEMMs at the same T;
-for the tensor-core MoE kernels of `moe_tc`, not yet in the table, whatever the table runs at that T).
+nvfp4,fp8,moe,moe_decode,moe_tc,moe_paths`); the winners go by hand into `_nvfp4_gemm_configs` /
+`_fp8_gemm_configs` / `_moe_configs` (and its boundaries `DECODE_MAX_ENTRIES`, `DECODE_MAX_PER_EXPERT`,
+`TC_GROUPED_MM_MIN_PER_EXPERT`). Logs one line per (kernel, shape, M) with the best config next to the
+current table's choice (and, for the linears, cuBLAS bf16 on the same shape; for the MoE decode path, the
+grouped GEMMs at the same T; for `moe_tc`, whatever the table runs at that T). `moe_paths` sweeps
+nothing: it times each MoE path once per T, the crossovers the boundaries come from.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from batchinfer.kernels.moe import (
     MoEDecodeConfig,
     MoEGroupedMMConfig,
     MoEPath,
+    _decode_config,
     _moe_configs,
     moe_experts,
     moe_route,
@@ -245,6 +247,31 @@ def tune_moe_tc(model: str, t: int, dev: torch.device) -> dict:
     }
 
 
+MOE_PATHS_TOKENS = [4, 8, 12, 16, 24, 32, 2048, 3072, 4096, 6144]
+
+
+def time_moe_paths(model: str, t: int, dev: torch.device) -> dict:
+    """Every path the engine's table chooses between at this T, on paired experts, nothing swept: the
+    decode path under its table config, `moe_tc` at each BLOCK_M with the table's tiles, grouped_mm; the
+    crossovers behind DECODE_MAX_PER_EXPERT and TC_GROUPED_MM_MIN_PER_EXPERT."""
+    timer, numel, experts, _ = _moe_timer(model, t, dev)
+    run = _skipping_failures(timer)
+    paths: dict[str, MoEPath] = {"decode": _decode_config(numel)}
+    for bm in MOE_TC_BLOCK_M:
+        paths[f"moe_tc{bm}"] = MoETCConfig(bm, (64, 4, 3, 2), (64, 4, 3, 2))
+    paths["grouped_mm"] = MoEGroupedMMConfig()
+    table = _moe_configs(numel, experts, paired=True)
+    return {
+        "kind": "moe_paths",
+        "model": model,
+        "t": t,
+        "entries": numel,
+        "per_expert": numel / experts,
+        "us": {name: run(c) * 1e6 for name, c in paths.items()},
+        "table": [type(table).__name__, dataclasses.astuple(table)],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -260,16 +287,24 @@ def main() -> None:
     dev = torch.device("cuda")
     results = []
     for kind in args.kinds.split(","):
-        if kind in ("moe", "moe_decode", "moe_tc"):
+        if kind in ("moe", "moe_decode", "moe_tc", "moe_paths"):
             tune, tokens = {
                 "moe": (tune_moe, MOE_TOKENS),
                 "moe_decode": (tune_moe_decode, MOE_DECODE_TOKENS),
                 "moe_tc": (tune_moe_tc, MOE_TC_TOKENS),
+                "moe_paths": (time_moe_paths, MOE_PATHS_TOKENS),
             }[kind]
             tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else tokens
             for model in args.models.split(","):
                 for t in tokens:
                     r = tune(model, t, dev)
+                    if kind == "moe_paths":
+                        times = ", ".join(f"{name} {us:.1f}" for name, us in r["us"].items())
+                        log.info("moe_paths %s T=%d (%.2f an expert): %s us; table %s", model, t,
+                                 r["per_expert"], times, r["table"][0])
+                        results.append(r)
+                        _dump(args.out, results)
+                        continue
                     if kind == "moe_decode":
                         other = f"grouped {r['grouped_us']:.1f} us"
                     elif kind == "moe":
