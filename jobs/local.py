@@ -23,6 +23,7 @@ from typing import IO
 from batchinfer.jobs import attempts
 from batchinfer.jobs.plan import Plan
 
+import batchinfer
 from batchinfer.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,17 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 def worker_argv(job_dir: Path) -> list[str]:
     """This installation's `batchinfer run --output DIR`: the resumable runner every executor starts. The
-    console script next to this Python, else the one on PATH, else `python -m batchinfer` with this
-    Python (a source checkout on PYTHONPATH has no script; the workers inherit the environment)."""
+    console script next to this Python, else the one on PATH, else this Python importing batchinfer from
+    where this process did (a checkout on PYTHONPATH, an install without scripts): the worker then runs
+    the same code whatever its working directory or environment (a Slurm task started from elsewhere)."""
     exe = Path(sys.executable).with_name("batchinfer")
     if not exe.exists():
         found = shutil.which("batchinfer")
         if found is None:
-            return [str(Path(sys.executable).absolute()), "-m", "batchinfer", "run", "--output", str(job_dir)]
+            root = str(Path(batchinfer.__file__).resolve().parents[1])
+            boot = (f"import sys; sys.path.insert(0, {root!r}); "
+                    "from batchinfer.cli import main; main('batchinfer')")
+            return [str(Path(sys.executable).absolute()), "-c", boot, "run", "--output", str(job_dir)]
         exe = Path(found)
     return [str(exe.absolute()), "run", "--output", str(job_dir)]
 

@@ -3,11 +3,11 @@
 Flow (no host sync; CUDA-graph safe): `logits = h @ router^T` (cuBLAS, bf16) -> `moe_route` (one
 program per token: fp32 softmax, top-k, renormalise; the shared expert rides along as slot A with
 weight sigmoid(shared_gate logit)) -> one of four paths (by entry count and layout, `_moe_configs`):
-- the decode path (NVFP4 experts, at most DECODE_MAX_ENTRIES entries, i.e. 1-2 rows per expert,
-  where BLOCK_M=16 tensor-core tiles would be mostly padding): no alignment; gate_up one program per
-  (entry, column tile, K split), down one per (token, column tile, slot split) with the routing
-  weights and the top-k sum fused; GEMVs on CUDA cores that decode two E2M1 codes per integer op
-  (`_e2m1_pair`) and apply each 16-code block scale once per group sum;
+- the decode path (NVFP4 experts, at most DECODE_MAX_ENTRIES entries, and for paired experts at most
+  DECODE_MAX_PER_EXPERT an expert, where tensor-core tiles would be mostly padding): no alignment;
+  gate_up one program per (entry, column tile, K split), down one per (token, column tile, slot split)
+  with the routing weights and the top-k sum fused; GEMVs on CUDA cores that decode two E2M1 codes per
+  integer op (`_e2m1_pair`) and apply each 16-code block scale once per group sum;
 - mid-size batches of NVFP4 experts in `moe_tc`'s paired layout (the engine's): `moe_tc`, the weight as
   the tensor cores' register operand (1.3-2x the grouped GEMMs below, timed on the H200);
 - the fused grouped GEMMs (bf16 experts, or NVFP4 in the standard layout): `moe_align` (entries grouped
@@ -86,11 +86,14 @@ DECODE_MAX_PER_EXPERT = 0.35
 # (timed on the H200 at 2f6bc72, docs/PERF_KERNELS.md).
 GROUPED_MM_MIN_ENTRIES = 8192
 TC_GROUPED_MM_MIN_PER_EXPERT = 160
+# `moe_tc`'s tiles (BLOCK_N, warps, stages, STEPS) for both GEMMs at every BLOCK_M of the table
+# (`tune_kernels --kinds moe_tc` on the H200, session 6).
+TC_TILE = (64, 4, 3, 2)
 
 MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig | MoETCConfig
 
 
-def _moe_configs(numel: int, experts: int, nvfp4: bool = True, paired: bool = False) -> MoEPath:
+def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool = False) -> MoEPath:
     """By entries and average entries per expert, from `tune_kernels` on the H200 at both models' shapes
     (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the decode path up to
     DECODE_MAX_PER_EXPERT entries an expert, `moe_tc` up to TC_GROUPED_MM_MIN_PER_EXPERT, then
@@ -106,10 +109,10 @@ def _moe_configs(numel: int, experts: int, nvfp4: bool = True, paired: bool = Fa
         if avg >= TC_GROUPED_MM_MIN_PER_EXPERT:
             return MoEGroupedMMConfig()
         if avg <= 2:
-            return MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2))
+            return MoETCConfig(16, TC_TILE, TC_TILE)
         if avg <= 16:
-            return MoETCConfig(32, (64, 4, 3, 2), (64, 4, 3, 2))
-        return MoETCConfig(64, (64, 4, 3, 2), (64, 4, 3, 2))
+            return MoETCConfig(32, TC_TILE, TC_TILE)
+        return MoETCConfig(64, TC_TILE, TC_TILE)
     if nvfp4 and numel <= DECODE_MAX_ENTRIES:
         return _decode_config(numel)
     if numel >= GROUPED_MM_MIN_ENTRIES and not interpreting():
@@ -553,7 +556,7 @@ def moe_experts(
     if numel == 0:
         return torch.zeros_like(h)
     experts = w.w13.shape[0]
-    cfg = config or _moe_configs(numel, experts, w.nvfp4, w.paired)
+    cfg = config or _moe_configs(numel, experts, nvfp4=w.nvfp4, paired=w.paired)
     if isinstance(cfg, MoETCConfig) and not w.paired:
         raise ValueError("MoETCConfig: expected experts in the paired layout (moe_tc.pair_moe_weights)")
     if isinstance(cfg, MoEConfig) and w.paired:

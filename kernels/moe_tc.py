@@ -21,13 +21,13 @@ Decode (`_weight`, inline PTX on pairs of bytes): the code's sign goes to bit 15
 bits to bits 6-8 of a bf16 (code * 2^-126, E2M1's subnormal 0.5 included), times the block scale as a
 bf16 of e4m3 * 2^100 (one bf16x2 multiply a pair): code * scale * 2^-26, exact in bf16 (at most 6
 significant bits, far from the range limits); the epilogue multiplies by the tensor scale * 2^26. sm_90
-SASS (Triton 3.6): 7.8 (gate_up) and 9.7 (down) instructions a code a thread at BLOCK_N 64 on 4 warps,
-each code serving every token of its tile. Entries are grouped by expert with `moe_align` (BLOCK_M-padded,
-as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a sum over each
-token's slots finishes. The engine loads its NVFP4 experts paired, and `moe._moe_configs` sends batches
-of more than ~0.35 entries an expert here, up to where grouped_mm wins (timed on the H200 with `tune_kernels
---kinds moe_tc`, docs/PERF_KERNELS.md). Against `moe_experts_ref` (fp32)
-expect the bf16 rounding of the intermediates, ~1e-3..1e-2.
+SASS (Triton 3.6), BLOCK_N 64 on 4 warps, STEPS 2: ~7.0 (gate_up) and ~8.3 (down) instructions a code a
+thread, each code serving every token of its tile. Entries are grouped by expert with `moe_align`
+(BLOCK_M-padded, as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a
+sum over each token's slots finishes. The engine loads its NVFP4 experts paired, and `moe._moe_configs`
+sends batches of more than ~0.35 entries an expert here, up to where grouped_mm wins (crossovers timed on
+the H200, `tune_kernels --kinds moe_paths`; tiles by `--kinds moe_tc`; docs/PERF_KERNELS.md). Against
+`moe_experts_ref` (fp32) expect the bf16 rounding of the intermediates, ~1e-3..1e-2.
 """
 
 from __future__ import annotations

@@ -54,6 +54,18 @@ def test_tensor_core_path_matches_reference(monkeypatch, cfg, shared):
     assert _rel(out, decode) < 5e-3
 
 
+def test_two_blocks_an_iteration_walk_the_whole_k():
+    """STEPS 2 over K = 128 (gate_up: two iterations, each with its own four scale bytes a row) and
+    K = 64 (down: one), distinct scales everywhere: a wrong scale offset shows."""
+    w = _weights(4, 128, 64, True, False, seed=71)
+    ids, route_w, g = _route(6, 2, 4, seed=72)
+    ids[1:, 0] = ids[0, 0]
+    h = torch.randn(6, 128, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = MoETCConfig(16, (16, 1, 1, 2), (32, 1, 1, 2))
+    out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
+    assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
 def test_tensor_core_path_covers_the_scale_and_code_range():
     """Extreme block scales (e4m3 subnormal and near max) and every E2M1 code, incl. the subnormal 0.5."""
     g = torch.Generator().manual_seed(3)

@@ -5,6 +5,7 @@ to check that the workers split the shards between them through the shard locks,
 exactly once, and USR2 to the parent stops every worker at a chunk boundary.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -61,13 +62,20 @@ def test_gpus_on_a_cpu_machine_is_a_clear_error(monkeypatch):
     assert "run without --gpus to use the CPU" in str(e.value)
 
 
-def test_workers_fall_back_to_python_m_batchinfer_without_a_console_script(tmp_path, monkeypatch):
-    """A source checkout on PYTHONPATH has no `batchinfer` script: workers run `python -m batchinfer`."""
-    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))
+def test_workers_without_a_console_script_import_what_the_parent_runs(tmp_path, monkeypatch):
+    """No `batchinfer` script (a checkout on PYTHONPATH): the worker is this Python importing batchinfer
+    from the parent's import root, wherever it starts (here: from an empty folder with no PYTHONPATH)."""
     monkeypatch.setattr(local.shutil, "which", lambda name: None)
-    assert local.worker_argv(tmp_path / "job") == [
-        str(tmp_path / "python3"), "-m", "batchinfer", "run", "--output", str(tmp_path / "job")
-    ]
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))
+    argv = local.worker_argv(tmp_path / "job")
+    assert argv[0] == str(tmp_path / "python3") and argv[1] == "-c"
+    assert argv[3:] == ["run", "--output", str(tmp_path / "job")]
+    monkeypatch.undo()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", argv[2], "--help"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Usage: batchinfer [OPTIONS] COMMAND")
 
 
 def test_python_m_batchinfer_is_the_command_line():

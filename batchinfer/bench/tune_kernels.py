@@ -25,6 +25,8 @@ from batchinfer.bench.kernel_cases_gemm import _weights, moe_layer
 from batchinfer.bench.kernels import bench_models, rotating_sets, time_per_call
 from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm
 from batchinfer.kernels.moe import (
+    DECODE_MAX_ENTRIES,
+    TC_TILE,
     MoEConfig,
     MoEDecodeConfig,
     MoEGroupedMMConfig,
@@ -137,7 +139,7 @@ def _moe_timer(model: str, t: int, dev: torch.device) -> tuple[Callable, int, in
 def tune_moe(model: str, t: int, dev: torch.device) -> dict:
     """Gate_up tiles with the table's down tiles, then down tiles with the best gate_up, per BLOCK_M; beside
     them the grouped-GEMM path (experts decoded to bf16, `torch._grouped_mm`), for GROUPED_MM_MIN_ENTRIES."""
-    run, numel, experts, inter = _moe_timer(model, t, dev)
+    run, numel, experts, _ = _moe_timer(model, t, dev)
     table = _moe_configs(numel, experts)
     if not isinstance(table, MoEConfig):  # decode path or grouped_mm's T: tune from the first guess
         table = MoEConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
@@ -180,7 +182,7 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
     """The decode path: gate_up configs with the first down config, then down configs with the best
     gate_up; beside it the grouped GEMMs under their table config at the same T (where
     DECODE_MAX_ENTRIES goes)."""
-    timer, numel, experts, inter = _moe_timer(model, t, dev)
+    timer, numel, experts, _ = _moe_timer(model, t, dev)
     run = _skipping_failures(timer)
 
     timings = {}
@@ -220,7 +222,7 @@ def tune_moe_tc(model: str, t: int, dev: torch.device) -> dict:
     """`moe_tc`'s kernels: gate_up tiles with the first down tile, then down tiles with the best gate_up,
     per BLOCK_M; beside them the path the table takes at this T (decode path, fused grouped GEMMs or
     grouped_mm)."""
-    timer, numel, experts, inter = _moe_timer(model, t, dev)
+    timer, numel, experts, _ = _moe_timer(model, t, dev)
     run = _skipping_failures(timer)
 
     timings: dict[MoEPath, float] = {}
@@ -252,13 +254,14 @@ MOE_PATHS_TOKENS = [4, 8, 12, 16, 24, 32, 2048, 3072, 4096, 6144]
 
 def time_moe_paths(model: str, t: int, dev: torch.device) -> dict:
     """Every path the engine's table chooses between at this T, on paired experts, nothing swept: the
-    decode path under its table config, `moe_tc` at each BLOCK_M with the table's tiles, grouped_mm; the
-    crossovers behind DECODE_MAX_PER_EXPERT and TC_GROUPED_MM_MIN_PER_EXPERT."""
+    decode path under its table config (up to DECODE_MAX_ENTRIES, where it can run), `moe_tc` at each
+    BLOCK_M with the table's tiles, grouped_mm; the crossovers behind DECODE_MAX_PER_EXPERT and
+    TC_GROUPED_MM_MIN_PER_EXPERT."""
     timer, numel, experts, _ = _moe_timer(model, t, dev)
     run = _skipping_failures(timer)
-    paths: dict[str, MoEPath] = {"decode": _decode_config(numel)}
+    paths: dict[str, MoEPath] = {"decode": _decode_config(numel)} if numel <= DECODE_MAX_ENTRIES else {}
     for bm in MOE_TC_BLOCK_M:
-        paths[f"moe_tc{bm}"] = MoETCConfig(bm, (64, 4, 3, 2), (64, 4, 3, 2))
+        paths[f"moe_tc{bm}"] = MoETCConfig(bm, TC_TILE, TC_TILE)
     paths["grouped_mm"] = MoEGroupedMMConfig()
     table = _moe_configs(numel, experts, paired=True)
     return {
