@@ -12,6 +12,9 @@ interleaved `[T, H, 2 * Dh]` output):
   Token `p` of the sequence in slot `s` sits at `[s, :, p]`; the engine writes new keys with
   `k_cache[slot_ids, :, positions] = k` and then calls `decode_attention` with `seq_lens` counting them.
   Rows with `seq_len == 0` (CUDA-graph padding) read nothing and return zeros.
+- FP8 cache (`kv_cache.py`): the same caches in `float8_e4m3fn` with fp32 scales `[slots, Hkv, max_len]`,
+  one a (slot, head, position) row; the kernels convert the codes to bf16 (exact), multiply each score
+  by its key's scale and each probability by its value's scale before the PV dot.
 Numerics: fp32 accumulation and softmax (exp2 with the scale folded in), bf16 tensor-core dots; the
 output gate of Qwen3.5 (`o * sigmoid(gate)`) is fused into the epilogue. Expected error vs `*_ref`:
 ~3e-3 relative (bf16 probabilities into the PV dot). GPU: sm_90, Triton's wgmma path; GQA group of 8
@@ -27,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from batchinfer.kernels import small_ops
+from batchinfer.kernels.kv_cache import dequantize_kv
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
 _LOG2E = 1.4426950408889634
@@ -73,16 +77,21 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqlen, qk_scale,
-                stride_kt, stride_vt, MASKED: tl.constexpr, INTERPRET: tl.constexpr):
-    """One K/V tile of online softmax: k_ptrs `[Dh, BLOCK_N]`, v_ptrs `[BLOCK_N, Dh]` at token n_start;
-    `offs_m` are the query rows' positions and `seqlen` the keys' count (both counting a cached prefix)."""
+def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, offs_m, offs_n, n_start, seqlen, qk_scale,
+                stride_kt, stride_vt, MASKED: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """One K/V tile of online softmax: k_ptrs `[Dh, BLOCK_N]`, v_ptrs `[BLOCK_N, Dh]` at token n_start
+    (FP8: ks_ptrs, vs_ptrs `[BLOCK_N]` their rows' scales); `offs_m` are the query rows' positions and
+    `seqlen` the keys' count (both counting a cached prefix)."""
     cols = n_start + offs_n
     if MASKED:
         k = tl.load(k_ptrs + n_start * stride_kt, mask=cols[None, :] < seqlen, other=0.0)
     else:
         k = tl.load(k_ptrs + n_start * stride_kt)
+    if FP8:
+        k = k.to(tl.bfloat16)
     s = _dot(q, k, None, INTERPRET) * qk_scale
+    if FP8:
+        s = s * tl.load(ks_ptrs + n_start, mask=cols < seqlen, other=0.0)[None, :]
     if MASKED:
         s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] < seqlen), s, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -93,22 +102,26 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, n_start, seqle
         v = tl.load(v_ptrs + n_start * stride_vt, mask=cols[:, None] < seqlen, other=0.0)
     else:
         v = tl.load(v_ptrs + n_start * stride_vt)
+    if FP8:
+        v = v.to(tl.bfloat16)
+        p = p * tl.load(vs_ptrs + n_start, mask=cols < seqlen, other=0.0)[None, :]
     acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _prefill_attn_kernel(
-    q_ptr, k_ptr, v_ptr, gate_ptr, o_ptr, cu_ptr, slot_ptr, past_ptr,  #
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gate_ptr, o_ptr, cu_ptr, slot_ptr, past_ptr,  #
     H, GROUP, qk_scale,  #
     stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,  #
-    stride_gt, stride_gh, stride_ot, stride_oh,  #
+    stride_ss, stride_sh, stride_gt, stride_gh, stride_ot, stride_oh,  #
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr,  #
-    CACHED: tl.constexpr, INTERPRET: tl.constexpr,  #
+    CACHED: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     """Packed K/V (CACHED False: each sequence sees its own tokens) or the KV cache (CACHED: sequence n's
     queries sit at positions past[n] + i of slot slot_ids[n] and see the slot's first past[n] + i + 1
-    tokens, its own chunk written there already)."""
+    tokens, its own chunk written there already; FP8: an FP8 cache with scales `[slots, Hkv, max_len]`
+    at (stride_ss, stride_sh, 1))."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most causal work) blocks first
     seq = tl.program_id(1) // H
@@ -129,6 +142,8 @@ def _prefill_attn_kernel(
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         k_ptrs = k_ptr + slot * stride_ks + offs_n[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None]
         v_ptrs = v_ptr + slot * stride_vs + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        ks_ptrs = ks_ptr + slot * stride_ss + kvh * stride_sh + offs_n
+        vs_ptrs = vs_ptr + slot * stride_ss + kvh * stride_sh + offs_n
         pos_m = past + offs_m
         kv_len = past + seqlen
         diag = (past + m_start) // BLOCK_N * BLOCK_N  # tiles before it are visible to every row
@@ -136,6 +151,7 @@ def _prefill_attn_kernel(
     else:
         k_ptrs = k_ptr + (start + offs_n)[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None]
         v_ptrs = v_ptr + (start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        ks_ptrs, vs_ptrs = ks_ptr, vs_ptr  # unused: packed K/V are bf16
         pos_m = offs_m
         kv_len = seqlen
         diag = m_start
@@ -144,11 +160,11 @@ def _prefill_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for n_start in range(0, diag, BLOCK_N):  # fully visible tiles: no mask
-        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, pos_m, offs_n, n_start, kv_len,
-                                    qk_scale, stride_kt, stride_vt, False, INTERPRET)
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, pos_m, offs_n,
+                                    n_start, kv_len, qk_scale, stride_kt, stride_vt, False, FP8, INTERPRET)
     for n_start in range(diag, diag_end, BLOCK_N):  # the diagonal
-        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, pos_m, offs_n, n_start, kv_len,
-                                    qk_scale, stride_kt, stride_vt, True, INTERPRET)
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, pos_m, offs_n,
+                                    n_start, kv_len, qk_scale, stride_kt, stride_vt, True, FP8, INTERPRET)
     acc = acc / l_i[:, None]
     if HAS_GATE:
         g_ptrs = gate_ptr + (start + offs_m)[:, None] * stride_gt + h * stride_gh + offs_d[None, :]
@@ -160,12 +176,12 @@ def _prefill_attn_kernel(
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, kc_ptr, vc_ptr, slot_ptr, len_ptr, gate_ptr, o_ptr, part_o_ptr, part_lse_ptr,  #
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, len_ptr, gate_ptr, o_ptr, part_o_ptr, part_lse_ptr,  #
     GROUP, SPLIT_LEN, qk_scale,  #
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_kct, stride_vcs, stride_vch, stride_vct,  #
-    stride_gb, stride_gh, stride_ob, stride_oh,  #
+    stride_ss, stride_sh, stride_gb, stride_gh, stride_ob, stride_oh,  #
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,  #
-    HAS_GATE: tl.constexpr, INTERPRET: tl.constexpr,  #
+    HAS_GATE: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -183,18 +199,28 @@ def _decode_attn_kernel(
     q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)
     k_ptrs = kc_ptr + slot * stride_kcs + kvh * stride_kch + offs_n[None, :] * stride_kct + offs_d[:, None]
     v_ptrs = vc_ptr + slot * stride_vcs + kvh * stride_vch + offs_n[:, None] * stride_vct + offs_d[None, :]
+    ks_ptrs = ks_ptr + slot * stride_ss + kvh * stride_sh + offs_n
+    vs_ptrs = vs_ptr + slot * stride_ss + kvh * stride_sh + offs_n
     m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for n_start in range(lo, hi, BLOCK_N):
         n_ok = n_start + offs_n < hi
         k = tl.load(k_ptrs + n_start * stride_kct, mask=n_ok[None, :], other=0.0)
-        s = tl.where(n_ok[None, :], _dot(q, k, None, INTERPRET) * qk_scale, -float("inf"))
+        if FP8:
+            k = k.to(tl.bfloat16)
+        s = _dot(q, k, None, INTERPRET) * qk_scale
+        if FP8:
+            s = s * tl.load(ks_ptrs + n_start, mask=n_ok, other=0.0)[None, :]
+        s = tl.where(n_ok[None, :], s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptrs + n_start * stride_vct, mask=n_ok[:, None], other=0.0)
+        if FP8:
+            v = v.to(tl.bfloat16)
+            p = p * tl.load(vs_ptrs + n_start, mask=n_ok, other=0.0)[None, :]
         acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
         m_i = m_new
     has = l_i > 0.0  # an empty split (or a padded row) contributes nothing
@@ -245,6 +271,26 @@ def _check_heads(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
                          f"strides {t.stride()}")
 
 
+def _cache_scales(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(FP8?, k scales, v scales) of a cache pair: an FP8 cache needs contiguous fp32 scales
+    `[slots, Hkv, max_len]` (one layout for both), any other none (k_cache stands in, unused)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache/v_cache: expected one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale: a {k_cache.dtype} cache has no scales")
+        return False, k_cache, k_cache
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or t.shape != k_cache.shape[:3] or t.dtype != torch.float32 or not t.is_contiguous():
+            got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+            raise ValueError(f"{name}: an FP8 cache needs contiguous float32 {tuple(k_cache.shape[:3])}, "
+                             f"got {got}")
+    return True, k_scale, v_scale  # type: ignore[return-value]
+
+
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     gate: torch.Tensor | None = None, scale: float | None = None, config: dict[str, int] | None = None,
@@ -258,18 +304,20 @@ def prefill_attention(
     Hkv = k.shape[1]
     for name, t, shape in (("k", k, (T, Hkv, Dh)), ("v", v, (T, Hkv, Dh))):
         _check_heads(name, t, shape)
-    return _launch_prefill(q, k, v, cu_seqlens, None, None, max_seqlen, gate, scale, config)
+    return _launch_prefill(q, k, v, cu_seqlens, None, None, max_seqlen, gate, scale, config, (False, k, k))
 
 
 def prefill_attention_cached(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
     slot_ids: torch.Tensor, past: torch.Tensor, max_seqlen: int, gate: torch.Tensor | None = None,
     scale: float | None = None, config: dict[str, int] | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked prefill: packed query chunks `q [T, H, Dh]` (`cu_seqlens`), chunk n continuing the sequence
     in slot `slot_ids[n]` (int32 `[N]`) after its first `past[n]` (int32 `[N]`) tokens. Attends causally
     over the slot's cache `[slots, Hkv, max_len, Dh]`, which must hold the chunk's own keys and values
-    already (the engine writes them first). `max_seqlen`: the longest chunk."""
+    already (the engine writes them first; an FP8 cache with its `k_scale`, `v_scale`, `kv_cache.py`).
+    `max_seqlen`: the longest chunk."""
     N = cu_seqlens.numel() - 1
     Dh = q.shape[2]
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -277,15 +325,18 @@ def prefill_attention_cached(
     for name, t in (("slot_ids", slot_ids), ("past", past)):
         if t.shape != (N,) or t.dtype != torch.int32:
             raise ValueError(f"{name}: expected int32 [{N}] (one per chunk), got {t.dtype} {tuple(t.shape)}")
-    return _launch_prefill(q, k_cache, v_cache, cu_seqlens, slot_ids, past, max_seqlen, gate, scale, config)
+    scales = _cache_scales(k_cache, v_cache, k_scale, v_scale)
+    return _launch_prefill(q, k_cache, v_cache, cu_seqlens, slot_ids, past, max_seqlen, gate, scale, config,
+                           scales)
 
 
 def _launch_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     slot_ids: torch.Tensor | None, past: torch.Tensor | None, max_seqlen: int, gate: torch.Tensor | None,
-    scale: float | None, config: dict[str, int] | None,
+    scale: float | None, config: dict[str, int] | None, scales: tuple[bool, torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """`k, v`: packed `[T, Hkv, Dh]`, or the cache `[slots, Hkv, max_len, Dh]` when `slot_ids` is given."""
+    """`k, v`: packed `[T, Hkv, Dh]`, or the cache `[slots, Hkv, max_len, Dh]` when `slot_ids` is given;
+    `scales`: (FP8?, k scales, v scales) from `_cache_scales`."""
     T, H, Dh = q.shape
     Hkv = k.shape[1]
     _check_heads("q", q, (T, H, Dh))
@@ -301,13 +352,15 @@ def _launch_prefill(
     cfg = dict(config or _prefill_configs(Dh))
     o = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
     g = gate if gate is not None else o
+    fp8, k_sc, v_sc = scales
     grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), (cu_seqlens.numel() - 1) * H)
     _prefill_attn_kernel[grid](
-        q, k, v, g, o, cu_seqlens, slot_ids if cached else cu_seqlens, past if cached else cu_seqlens,
+        q, k, v, k_sc, v_sc, g, o, cu_seqlens,
+        slot_ids if cached else cu_seqlens, past if cached else cu_seqlens,
         H, H // Hkv, (scale if scale is not None else Dh**-0.5) * _LOG2E,
-        q.stride(0), q.stride(1), *ks, *vs,
+        q.stride(0), q.stride(1), *ks, *vs, k_sc.stride(0), k_sc.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM=Dh, HAS_GATE=gate is not None, CACHED=cached, INTERPRET=interpreting(), **cfg,
+        HEAD_DIM=Dh, HAS_GATE=gate is not None, CACHED=cached, FP8=fp8, INTERPRET=interpreting(), **cfg,
     )
     return o
 
@@ -316,8 +369,10 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
     seq_lens: torch.Tensor, max_seqlen: int | None = None, gate: torch.Tensor | None = None,
     scale: float | None = None, config: dict[str, int] | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per row: q `[B, H, Dh]` over its slot's first `seq_lens[b]` cached tokens.
+    """One query token per row: q `[B, H, Dh]` over its slot's first `seq_lens[b]` cached tokens (an FP8
+    cache with its `k_scale`, `v_scale`: `kv_cache.py`).
 
     `max_seqlen` bounds every seq_len (default: the cache's max_len) and sets the split-KV count;
     a CUDA graph captures it per bucket. Returns `[B, H, Dh]`, times sigmoid(gate) if given.
@@ -334,6 +389,7 @@ def decode_attention(
                          f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
     if H % Hkv:
         raise ValueError(f"q: {H} heads is not a multiple of the cache's {Hkv} kv heads")
+    fp8, k_sc, v_sc = _cache_scales(k_cache, v_cache, k_scale, v_scale)
     cfg = dict(config or _decode_configs(Dh))
     min_split = cfg.pop("MIN_SPLIT")
     max_seqlen = max_len if max_seqlen is None else max_seqlen
@@ -346,13 +402,13 @@ def decode_attention(
     part_lse = torch.empty((B, H, splits) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     g = gate if gate is not None else o
     _decode_attn_kernel[(B, Hkv, splits)](
-        q, k_cache, v_cache, slot_ids, seq_lens, g, o, part_o, part_lse,
+        q, k_cache, v_cache, k_sc, v_sc, slot_ids, seq_lens, g, o, part_o, part_lse,
         H // Hkv, split_len, (scale if scale is not None else Dh**-0.5) * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_sc.stride(0), k_sc.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
         HEAD_DIM=Dh, BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), NUM_SPLITS=splits,
-        HAS_GATE=gate is not None, INTERPRET=interpreting(), **cfg,
+        HAS_GATE=gate is not None, FP8=fp8, INTERPRET=interpreting(), **cfg,
     )
     if splits > 1:
         _decode_combine_kernel[(B, H)](
@@ -386,8 +442,11 @@ def prefill_attention_ref(
 def decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
     seq_lens: torch.Tensor, gate: torch.Tensor | None = None, scale: float | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 reference of `decode_attention`: row b attends to `cache[slot_ids[b], :, :seq_lens[b]]`."""
+    """fp32 reference of `decode_attention`: row b attends to `cache[slot_ids[b], :, :seq_lens[b]]` (an FP8
+    cache dequantized with its scales first)."""
+    k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
     B, H, Dh = q.shape
     scale = scale if scale is not None else Dh**-0.5
     out = torch.zeros((B, H, Dh), dtype=torch.float32, device=q.device)
