@@ -75,6 +75,37 @@ def test_bf16_deltanet_state_halves_its_bytes_and_stays_accurate():
         KernelModel(cfg, dict(ref.weights), deltanet_state=torch.float16)
 
 
+@pytest.mark.parametrize("preset,quant", [("tiny-qwen3.5-moe", "mixed"), ("tiny-qwen3-moe", "nvfp4")])
+def test_fp8_kv_cache_halves_its_bytes_and_stays_accurate(preset, quant):
+    """The `kv_cache=fp8` option: E4M3 caches with fp32 scales per token and head (slot bytes: 1 + 4 / Dh
+    of the bf16 cache's half), teacher-forced logits within the issue's limits (decode reads the FP8
+    cache; so does a prompt prefilled in pieces), and generation through it end to end."""
+    cfg, ref, km = _models(preset, quant)
+    km8 = KernelModel(cfg, dict(ref.weights), kv_cache=torch.float8_e4m3fn)
+    state = km8.new_state(2, 8)
+    assert {t.dtype for t in state.k + state.v if t is not None} == {torch.float8_e4m3fn}
+    attn = sum(kind == "full_attention" for kind in cfg.layer_types)
+    kv = 2 * attn * cfg.num_key_value_heads * 8
+    assert km.slot_bytes(8) - km8.slot_bytes(8) == kv * (cfg.head_dim - 4)
+    seqs = _random_prompts(cfg.vocab_size, [24, 70])
+    result = engine_exactness(km8, ref, seqs, decode_tail=4)
+    assert max(result.prefill_rel_l2, result.decode_rel_l2) <= 2e-2 and result.prefill_top1 >= 0.95, result
+    # a prompt in two pieces: the second attends to the first through the FP8 cache
+    state = km8.new_state(1, 80)
+    km8.prefill_prompts(state, [seqs[1][:40]], [0])
+    pieces = km8.prefill_prompts(state, [seqs[1][40:]], [0], starts=[40]).float()
+    whole = km.prefill_prompts(km.new_state(1, 80), [seqs[1]], [0]).float()
+    assert rel_err(pieces, whole) < 2e-2
+    prompts = _random_prompts(cfg.vocab_size, [9, 30], seed=3)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True)] * 2
+    bf16 = [o.token_ids for o in FastGenerator(km, max_slots=2).generate(prompts, params)]
+    fp8 = [o.token_ids for o in FastGenerator(km8, max_slots=2).generate(prompts, params)]
+    assert [len(t) for t in fp8] == [6, 6]
+    assert [t[0] for t in fp8] == [t[0] for t in bf16]  # a fresh prompt's own K/V stay bf16 in prefill
+    with pytest.raises(ValueError, match="kv_cache: expected bfloat16 or float8_e4m3fn"):
+        KernelModel(cfg, dict(ref.weights), kv_cache=torch.float16)
+
+
 def test_slots_refill_and_stop_rules():
     """More requests than slots (refill), exact max_tokens, a stop token, and a stop from on_step."""
     cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
@@ -275,6 +306,13 @@ def test_deltanet_state_engine_argument_is_checked():
         load_engine(DEMO, device="cpu", engine="reference", deltanet_state="bfloat16")
 
 
+def test_kv_cache_engine_argument_is_checked():
+    with pytest.raises(ConfigError, match="kv_cache='int8': expected one of bfloat16, fp8"):
+        load_engine(DEMO, device="cpu", engine="fast", kv_cache="int8")
+    with pytest.raises(ConfigError, match="kv_cache=fp8 applies to the fast engine"):
+        load_engine(DEMO, device="cpu", engine="reference", kv_cache="fp8")
+
+
 def test_fast_engine_refuses_a_cpu_without_the_interpreter(monkeypatch):
     with pytest.raises(ConfigError, match="the fast engine computes in bfloat16"):
         load_engine(DEMO, device="cpu", engine="fast", dtype="float32")
@@ -315,6 +353,8 @@ def test_real_widths_exactness_on_gpu(preset, quant):
     seqs = _random_prompts(cfg.vocab_size, [288, 300, 260, 290, 256, 310, 280, 312])
     result = engine_exactness(KernelModel(cfg, w), ref, seqs)
     assert result.passed, result
+    result = engine_exactness(KernelModel(cfg, w, kv_cache=torch.float8_e4m3fn), ref, seqs)
+    assert result.passed, ("kv_cache=fp8", result)
 
 
 @pytest.mark.gpu

@@ -98,6 +98,7 @@ class FastTokenEngine:
             "dtype": "bfloat16",
             "max_slots": str(g.max_slots),
             "deltanet_state": str(g.model.deltanet_state).removeprefix("torch."),
+            "kv_cache": str(g.model.kv_cache).removeprefix("torch."),
             "cuda_graphs": str(g.cuda_graphs),
             **{k: str(v) for k, v in g.stats.items()},
         }

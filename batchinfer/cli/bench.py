@@ -100,6 +100,14 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     show_default=True,
     help="Fast engine: dtype of the DeltaNet recurrent state (bfloat16 halves its bytes, costs accuracy).",
 )
+@click.option(
+    "--kv-cache",
+    type=click.Choice(["bfloat16", "fp8"]),
+    default="bfloat16",
+    show_default=True,
+    help="Fast engine: KV cache of the full-attention layers (fp8: E4M3 with a scale per token and head, "
+    "half the bytes, costs accuracy).",
+)
 @click.option("--max-requests", type=int, help="Run only the first N requests (recorded as 'capped').")
 @click.option("--max-in", type=int, help="Cut prompts to their first N tokens (recorded deviation).")
 @click.option("--max-out", type=int, help="Generate at most N tokens per request (recorded deviation).")
@@ -142,6 +150,7 @@ def run(
     max_batch_size: int,
     max_slots: int,
     deltanet_state: str,
+    kv_cache: str,
     max_requests: int | None,
     max_in: int | None,
     max_out: int | None,
@@ -186,6 +195,8 @@ def run(
         raise click.UsageError("the fast engine computes in bf16; --dtype fp32 needs --engine reference")
     if deltanet_state != "float32" and engine_name != "fast":
         raise click.UsageError("--deltanet-state applies to the fast engine (--engine fast)")
+    if kv_cache != "bfloat16" and engine_name != "fast":
+        raise click.UsageError("--kv-cache applies to the fast engine (--engine fast)")
     torch_dtype = DTYPES[dtype] if dtype else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     if engine_name == "fast":
         torch_dtype = torch.bfloat16
@@ -196,8 +207,11 @@ def run(
         from batchinfer.bench.exactness import engine_exactness, exactness_sequences
         from batchinfer.engine.fast import FastGenerator
         from batchinfer.engine.kernel_model import KernelModel
+        from batchinfer.kernels.kv_cache import KV_DTYPES
 
-        kernel_model = KernelModel(bm.config, bm.weights, deltanet_state=DTYPES[deltanet_state])
+        kernel_model = KernelModel(
+            bm.config, bm.weights, deltanet_state=DTYPES[deltanet_state], kv_cache=KV_DTYPES[kv_cache]
+        )
         exactness = engine_exactness(
             kernel_model,
             bm.reference,

@@ -9,10 +9,12 @@ Weights are laid out once at load time for the kernels:
   (q|k|v, DeltaNet qkv|z|b|a). Measured on the H200 (docs/PERF.md), cuBLAS on the bf16 weight beats
   our NVFP4 and FP8 W-only kernels at these shapes for every M, and these weights are ~7% of the bytes.
 State lives in per-slot pools preallocated by the caller (`SlotState`): the KV cache
-`[slots, Hkv, max_len, Dh]` per attention layer, conv state `[slots, K - 1, C]` and recurrent state
-`[slots, Hv, Dk, Dv]` per DeltaNet layer, fp32 as the checkpoints' `mamba_ssm_dtype` says, or bf16 when
-asked (`deltanet_state`): half the bytes a decode step moves through the delta rule and half the slot
-memory, at some accuracy (the kernels compute in fp32 and round the state when they store it).
+`[slots, Hkv, max_len, Dh]` per attention layer (bf16, or FP8 with a scale per token and head when asked,
+`kv_cache`: half the bytes, at some accuracy; `kernels/kv_cache.py`), conv state `[slots, K - 1, C]`
+and recurrent state `[slots, Hv, Dk, Dv]` per DeltaNet layer, fp32 as the checkpoints' `mamba_ssm_dtype`
+says, or bf16 when asked (`deltanet_state`): half the bytes a decode step moves through the delta rule
+and half the slot memory, at some accuracy (the kernels compute in fp32 and round the state when they
+store it).
 The residual stream is kept in fp32 (`RESIDUAL`), where HF rounds it to bf16 at every layer: that
 rounding is most of a bf16 forward's drift from fp32, and costs 2 bytes a hidden value more.
 Two forwards: `prefill` runs whole prompts packed (`cu_seqlens`), each from an empty slot; `decode` runs
@@ -31,6 +33,7 @@ from batchinfer.kernels.attention import decode_attention, prefill_attention, pr
 from batchinfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
+from batchinfer.kernels.kv_cache import store_kv
 from batchinfer.kernels.moe import fused_moe
 from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
@@ -90,10 +93,12 @@ class LayerWeights:
 class SlotState:
     """Per-slot state pools of every layer (index = layer; the other kind's entry is None)."""
 
-    k: list[torch.Tensor | None]  # [slots, Hkv, max_len, Dh] bf16
+    k: list[torch.Tensor | None]  # [slots, Hkv, max_len, Dh] bf16 (or float8_e4m3fn, `kv_cache`)
     v: list[torch.Tensor | None]
     conv: list[torch.Tensor | None]  # [slots, K - 1, conv_dim] bf16
     recurrent: list[torch.Tensor | None]  # [slots, Hv, Dk, Dv] fp32 (or bf16, `deltanet_state`)
+    k_scale: list[torch.Tensor | None]  # [slots, Hkv, max_len] fp32 with an FP8 cache, else None
+    v_scale: list[torch.Tensor | None]
 
     @property
     def max_len(self) -> int:
@@ -124,11 +129,18 @@ class KernelModel:
     """Weights in kernel layouts plus the prefill and decode forwards (see the module docstring)."""
 
     def __init__(
-        self, config: ModelConfig, weights: Mapping[str, Linear], deltanet_state: torch.dtype = torch.float32
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, Linear],
+        deltanet_state: torch.dtype = torch.float32,
+        kv_cache: torch.dtype = torch.bfloat16,
     ) -> None:
         if deltanet_state not in (torch.float32, torch.bfloat16):
             raise ValueError(f"deltanet_state: expected float32 or bfloat16, got {deltanet_state}")
+        if kv_cache not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache: expected bfloat16 or float8_e4m3fn, got {kv_cache}")
         self.deltanet_state = deltanet_state
+        self.kv_cache = kv_cache
         c = self.config = config
         self.device = weights["embed_tokens"].device
         self.dtype = torch.bfloat16
@@ -196,8 +208,9 @@ class KernelModel:
         c = self.config
         total = 0
         for kind in c.layer_types:
-            if kind == "full_attention":
-                total += 2 * c.num_key_value_heads * max_len * c.head_dim * 2
+            if kind == "full_attention":  # K and V, with a fp32 scale per token and head if FP8
+                fp8 = self.kv_cache == torch.float8_e4m3fn
+                total += 2 * c.num_key_value_heads * max_len * (c.head_dim * self.kv_cache.itemsize + 4 * fp8)
             else:
                 total += (c.linear_conv_kernel_dim - 1) * self._conv_dim * 2
                 state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
@@ -215,12 +228,15 @@ class KernelModel:
     def new_state(self, slots: int, max_len: int) -> SlotState:
         """Zeroed pools for `slots` sequences of up to `max_len` tokens each."""
         c, dev = self.config, self.device
-        state = SlotState([], [], [], [])
+        state = SlotState([], [], [], [], [], [])
+        fp8 = self.kv_cache == torch.float8_e4m3fn
         for kind in c.layer_types:
             attn = kind == "full_attention"
             kv = (slots, c.num_key_value_heads, max_len, c.head_dim)
-            state.k.append(torch.zeros(kv, dtype=torch.bfloat16, device=dev) if attn else None)
-            state.v.append(torch.zeros(kv, dtype=torch.bfloat16, device=dev) if attn else None)
+            state.k.append(torch.zeros(kv, dtype=self.kv_cache, device=dev) if attn else None)
+            state.v.append(torch.zeros(kv, dtype=self.kv_cache, device=dev) if attn else None)
+            state.k_scale.append(torch.ones(kv[:3], device=dev) if attn and fp8 else None)
+            state.v_scale.append(torch.ones(kv[:3], device=dev) if attn and fp8 else None)
             conv = (slots, c.linear_conv_kernel_dim - 1, self._conv_dim)
             state.conv.append(None if attn else torch.zeros(conv, dtype=torch.bfloat16, device=dev))
             rec = (slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
@@ -253,13 +269,14 @@ class KernelModel:
                                       RESIDUAL)
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
-                state.k[i][token_slots, :, positions.long()] = k  # type: ignore[index]
-                state.v[i][token_slots, :, positions.long()] = v  # type: ignore[index]
-                if past is None:
+                kc, vc, ks, vs = state.k[i], state.v[i], state.k_scale[i], state.v_scale[i]
+                store_kv(k, kc, ks, token_slots, positions)  # type: ignore[arg-type]
+                store_kv(v, vc, vs, token_slots, positions)  # type: ignore[arg-type]
+                if past is None:  # a fresh prompt attends to its own bf16 K/V, whatever the cache keeps
                     o = prefill_attention(q, k, v, cu_seqlens, max_seqlen, gate=gate)
                 else:
-                    o = prefill_attention_cached(q, state.k[i], state.v[i], cu_seqlens, slots, past,  # type: ignore[arg-type]
-                                                 max_seqlen, gate=gate)
+                    o = prefill_attention_cached(q, kc, vc, cu_seqlens, slots, past, max_seqlen,  # type: ignore[arg-type]
+                                                 gate=gate, k_scale=ks, v_scale=vs)
                 h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
             else:
                 h = self._deltanet(h, layer.mixer, state, i, slots, cu_seqlens, max_seqlen, past)
@@ -309,10 +326,10 @@ class KernelModel:
                                       RESIDUAL)
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
-                kc, vc = state.k[i], state.v[i]
-                kc[slot_idx, :, pos_idx] = k  # type: ignore[index]
-                vc[slot_idx, :, pos_idx] = v  # type: ignore[index]
-                o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate)  # type: ignore[arg-type]
+                kc, vc, ks, vs = state.k[i], state.v[i], state.k_scale[i], state.v_scale[i]
+                store_kv(k, kc, ks, slot_idx, pos_idx)  # type: ignore[arg-type]
+                store_kv(v, vc, vs, slot_idx, pos_idx)  # type: ignore[arg-type]
+                o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)  # type: ignore[arg-type]
                 h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
             else:
                 h = self._deltanet(h, layer.mixer, state, i, slots, None, 1)

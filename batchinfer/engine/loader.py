@@ -15,6 +15,7 @@ from batchinfer.engine.gpu import FastEngine
 from batchinfer.engine.kernel_model import KernelModel
 from batchinfer.engine.reference import DEFAULT_MAX_BATCH_SIZE, ReferenceEngine, context_limit
 from batchinfer.errors import ConfigError
+from batchinfer.kernels.kv_cache import KV_DTYPES
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
 from batchinfer.models.qwen_moe import QwenMoeModel
 from batchinfer.tokenizer import Tokenizer
@@ -70,6 +71,7 @@ def load_engine(
     engine: str = "auto",
     max_slots: int | str = MAX_SLOTS,
     deltanet_state: str = "float32",
+    kv_cache: str = "bfloat16",
 ) -> ReferenceEngine:
     """Load a checkpoint folder onto `device` and wrap it in an engine.
 
@@ -79,7 +81,8 @@ def load_engine(
     yardstick) and bfloat16 on GPU. `max_model_len` lowers the context limit below
     `max_position_embeddings`. `max_batch_size` is the reference engine's batch, `max_slots` the fast
     engine's cap on concurrent sequences (it also fits them to free memory). `deltanet_state` (fast
-    engine, Qwen3.5/3.6): `float32` (the checkpoints' own) or `bfloat16` recurrent state.
+    engine, Qwen3.5/3.6): `float32` (the checkpoints' own) or `bfloat16` recurrent state. `kv_cache` (fast
+    engine): `bfloat16` or `fp8` (E4M3 with a scale per token and head: half the KV bytes).
     The job layer passes its `--engine-arg KEY=VALUE` strings straight in, so numbers may be strings.
     """
     path = Path(model_path)
@@ -102,6 +105,10 @@ def load_engine(
         raise ConfigError(f"engine argument deltanet_state={deltanet_state!r}: expected float32 or bfloat16")
     if deltanet_state != "float32" and not fast:
         raise ConfigError("engine argument deltanet_state=bfloat16 applies to the fast engine (engine=fast)")
+    if kv_cache not in KV_DTYPES:
+        raise ConfigError(f"engine argument kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
+    if kv_cache != "bfloat16" and not fast:
+        raise ConfigError(f"engine argument kv_cache={kv_cache} applies to the fast engine (engine=fast)")
     if fast and dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
         raise ConfigError(f"the fast engine computes in bfloat16; dtype={dtype!r} needs engine=reference")
     if fast:
@@ -123,7 +130,9 @@ def load_engine(
     quantization = describe_quantization(weights, raw)
     if fast:
         QwenMoeModel(config, weights, dtype=torch_dtype)  # the same checks of names and shapes
-        kernel_model = KernelModel(config, weights, deltanet_state=DTYPES[deltanet_state])
+        kernel_model = KernelModel(
+            config, weights, deltanet_state=DTYPES[deltanet_state], kv_cache=KV_DTYPES[kv_cache]
+        )
         generator = FastGenerator(kernel_model, max_slots=max_slots)
         del weights
         log.info(
