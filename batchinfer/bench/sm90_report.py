@@ -35,6 +35,7 @@ _PTR_TYPES = {
     torch.int32: "*i32",
     torch.int64: "*i64",
     torch.uint8: "*u8",
+    torch.float8_e4m3fn: "*fp8e4nv",
 }
 _OPS = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
 
@@ -140,6 +141,19 @@ def _attention_launches(H: int, Hkv: int, Dh: int, rot: int, gated: bool) -> Ite
     yield f"Dh={Dh} B={B} split-KV", attention._decode_attn_kernel, lambda: decode(L)
     yield f"Dh={Dh} B={B} one split", attention._decode_attn_kernel, lambda: decode(64)
     yield f"Dh={Dh}", attention._decode_combine_kernel, lambda: decode(L)
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    ks, vs = torch.ones(B, Hkv, L), torch.ones(B, Hkv, L)
+    yield (
+        f"Dh={Dh} B={B} split-KV, FP8 cache",
+        attention._decode_attn_kernel,
+        lambda: attention.decode_attention(qd, k8, v8, slots, lens, gate=gd, k_scale=ks, v_scale=vs),
+    )
+    yield (
+        f"Dh={Dh} chunked prefill, FP8 cache",
+        attention._prefill_attn_kernel,
+        lambda: attention.prefill_attention_cached(q, k8, v8, cu, one, past, T, gate=gate, k_scale=ks,
+                                                   v_scale=vs),
+    )
 
 
 def _gdn_launches() -> Iterator[tuple]:
