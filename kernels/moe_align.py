@@ -6,9 +6,11 @@ sync, CUDA-graph safe):
   multiple of BLOCK_M with the sentinel NUMEL; within a group entries keep token order (deterministic);
 - `block_expert int32 [max_blocks]`: the expert of each BLOCK_M block;
 - `num_padded int32 [1]`: the used length of `sorted_ids` (blocks at or past it are idle).
-Three launches: per-chunk expert histograms (many CTAs), one CTA turning them into offsets (and
-filling the sentinel), then a scatter (many CTAs). Ranks within a chunk come from a cumulative sum of
-a one-hot [CHUNK, E] matrix, so no atomics and the order is reproducible.
+Three launches: per-chunk expert histograms (many CTAs, which also fill `sorted_ids` with the sentinel),
+one CTA turning them into offsets, then a scatter (many CTAs, which also find each block's expert). Only
+the offsets are serial: the sentinel fill and the block experts, once in that one CTA too, took most of
+its time (63 us at 18,432 entries on the H200, session 6). Ranks within a chunk come from a cumulative
+sum of a one-hot [CHUNK, E] matrix, so no atomics and the order is reproducible.
 """
 
 from __future__ import annotations
@@ -21,20 +23,29 @@ _CHUNK = 64
 
 
 @triton.jit
-def _moe_hist_kernel(ids_ptr, hist_ptr, NUMEL, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_hist_kernel(
+    ids_ptr, hist_ptr, sorted_ptr, NUMEL, MAX_PADDED, FILL, E_PAD: tl.constexpr, CHUNK: tl.constexpr
+):
+    """Chunk pid's expert histogram; and the sentinel NUMEL into sorted_ids[pid * FILL, (pid + 1) * FILL)
+    (the scatter overwrites the real entries' places later)."""
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < NUMEL, other=-1)
     onehot = (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
     tl.store(hist_ptr + pid * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
+    end = tl.minimum((pid + 1) * FILL, MAX_PADDED)
+    for p0 in range(pid * FILL, end, 256):
+        p = p0 + tl.arange(0, 256)
+        tl.store(sorted_ptr + p, tl.full((256,), 0, tl.int32) + NUMEL, mask=p < end)
 
 
 @triton.jit
 def _moe_offsets_kernel(
-    hist_ptr, chunk_base_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,  #
-    NUMEL, NUM_CHUNKS, MAX_PADDED, MAX_BLOCKS,  #
+    hist_ptr, chunk_base_ptr, ends_ptr, num_padded_ptr,  #
+    NUM_CHUNKS,  #
     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CB: tl.constexpr,  #
 ):
+    """Each expert's padded group end (`ends`), the total, and each chunk's base per expert."""
     e_offs = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for c0 in range(0, NUM_CHUNKS, CB):
@@ -47,6 +58,7 @@ def _moe_offsets_kernel(
     starts = ends - padded
     total = tl.sum(padded, axis=0)
     tl.store(num_padded_ptr, total)
+    tl.store(ends_ptr + e_offs, ends)
     # chunk_base[c, e] = starts[e] + entries of expert e in chunks before c
     running = starts
     for c0 in range(0, NUM_CHUNKS, CB):
@@ -56,26 +68,32 @@ def _moe_offsets_kernel(
         excl = tl.cumsum(h, axis=0) - h
         tl.store(chunk_base_ptr + rows[:, None] * E_PAD + e_offs[None, :], running[None, :] + excl, mask=mask)
         running += tl.sum(h, axis=0)
-    for b0 in range(0, MAX_BLOCKS, CB):
-        blocks = b0 + tl.arange(0, CB)
-        pos = blocks * BLOCK_M
-        expert = tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)  # first expert ending after pos
-        tl.store(block_expert_ptr + blocks, tl.where(pos < total, expert, -1), mask=blocks < MAX_BLOCKS)
-    for p0 in range(0, MAX_PADDED, CB * 16):
-        p = p0 + tl.arange(0, CB * 16)
-        tl.store(sorted_ptr + p, tl.full((CB * 16,), 0, tl.int32) + NUMEL, mask=p < MAX_PADDED)
 
 
 @triton.jit
-def _moe_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, NUMEL, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_scatter_kernel(
+    ids_ptr, chunk_base_ptr, sorted_ptr, ends_ptr, num_padded_ptr, block_expert_ptr,  #
+    NUMEL, MAX_BLOCKS, BLOCKS_PER,  #
+    E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,  #
+):
+    """Chunk pid's entries to their places; and the experts of blocks [pid * BLOCKS_PER, + BLOCKS_PER)
+    (-1 past the used length)."""
     pid = tl.program_id(0)
+    e_offs = tl.arange(0, E_PAD)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < NUMEL, other=-1)
-    e_offs = tl.arange(0, E_PAD)
     onehot = (ids[:, None] == e_offs[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
     rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
     base = tl.sum(tl.load(chunk_base_ptr + pid * E_PAD + e_offs)[None, :] * onehot, axis=1)
     tl.store(sorted_ptr + base + rank, offs, mask=offs < NUMEL)
+    ends = tl.load(ends_ptr + e_offs)  # after the scatter: the one-hot matrix is dead by now
+    total = tl.load(num_padded_ptr)
+    b_end = tl.minimum((pid + 1) * BLOCKS_PER, MAX_BLOCKS)
+    for b0 in range(pid * BLOCKS_PER, b_end, 16):
+        blocks = b0 + tl.arange(0, 16)
+        pos = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)  # first expert ending after pos
+        tl.store(block_expert_ptr + blocks, tl.where(pos < total, expert, -1), mask=blocks < b_end)
 
 
 def max_blocks(numel: int, num_experts: int, block_m: int) -> int:
@@ -96,16 +114,22 @@ def moe_align(
     chunks = max(1, triton.cdiv(numel, _CHUNK))
     hist = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
     chunk_base = torch.empty_like(hist)
+    ends = torch.empty(e_pad, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    _moe_hist_kernel[(chunks,)](ids, hist, numel, E_PAD=e_pad, CHUNK=_CHUNK)
-    _moe_offsets_kernel[(1,)](
-        hist, chunk_base, sorted_ids, block_expert, num_padded,  #
-        numel, chunks, blocks * block_m, blocks,  #
-        E_PAD=e_pad, BLOCK_M=block_m, CB=16, num_warps=8,  #
+    fill = triton.cdiv(blocks * block_m, chunks)
+    _moe_hist_kernel[(chunks,)](
+        ids, hist, sorted_ids, numel, blocks * block_m, fill, E_PAD=e_pad, CHUNK=_CHUNK
     )
-    _moe_scatter_kernel[(chunks,)](ids, chunk_base, sorted_ids, numel, E_PAD=e_pad, CHUNK=_CHUNK)
+    _moe_offsets_kernel[(1,)](
+        hist, chunk_base, ends, num_padded, chunks, E_PAD=e_pad, BLOCK_M=block_m, CB=16, num_warps=8
+    )
+    _moe_scatter_kernel[(chunks,)](
+        ids, chunk_base, sorted_ids, ends, num_padded, block_expert,  #
+        numel, blocks, triton.cdiv(blocks, chunks),  #
+        E_PAD=e_pad, CHUNK=_CHUNK, BLOCK_M=block_m,  #
+    )
     return sorted_ids, block_expert, num_padded
 
 

@@ -44,7 +44,8 @@ def _weights(e: int, d: int, i: int, quant: bool, shared: bool, seed: int):
 
 
 @pytest.mark.parametrize(
-    ("t", "a", "e", "block_m"), [(1, 9, 257, 16), (37, 8, 16, 16), (70, 4, 8, 32), (0, 8, 8, 16)]
+    ("t", "a", "e", "block_m"),
+    [(1, 9, 257, 16), (2, 8, 257, 16), (37, 8, 16, 16), (70, 4, 8, 32), (0, 8, 8, 16)],  # (2, 8): 17 blocks
 )
 def test_align_groups_entries_by_expert(t, a, e, block_m):
     g = torch.Generator().manual_seed(t + e)
@@ -62,6 +63,7 @@ def test_align_groups_entries_by_expert(t, a, e, block_m):
         assert (block_expert[pos // block_m : (pos + n) // block_m] == expert).all()
         pos += n
     assert (block_expert[total // block_m :] == -1).all()
+    assert (sorted_ids[total:] == t * a).all()  # the unused tail holds the sentinel too
 
 
 @pytest.mark.parametrize(("shared", "renorm"), [(True, True), (False, True), (False, False)])

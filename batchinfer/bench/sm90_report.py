@@ -26,7 +26,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from batchinfer.kernels import attention, causal_conv1d, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops
+from batchinfer.kernels import (
+    attention,
+    causal_conv1d,
+    gdn,
+    gdn_chunk,
+    moe_align,
+    qk_norm_rope,
+    sampling,
+    small_ops,
+)
 
 _PTR_TYPES = {
     torch.bfloat16: "*bf16",
@@ -46,7 +55,7 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     seen: dict[str, tuple[tuple, dict]] = {}
     kernels = [
         k
-        for mod in (attention, causal_conv1d, gdn, gdn_chunk, qk_norm_rope, sampling, small_ops)
+        for mod in (attention, causal_conv1d, gdn, gdn_chunk, moe_align, qk_norm_rope, sampling, small_ops)
         for k in vars(mod).values()
         if isinstance(k, triton.JITFunction)
     ]
@@ -209,11 +218,19 @@ def _small_op_launches() -> Iterator[tuple]:
         yield f"V={V}", kernel, draw
 
 
+def _moe_align_launches() -> Iterator[tuple]:
+    ids = torch.randint(0, 257, (2048, 9), dtype=torch.int32)  # Qwen3.6 prefill: 257 experts, 9 slots
+    align = lambda: moe_align.moe_align(ids, 257, 64)
+    for kernel in (moe_align._moe_hist_kernel, moe_align._moe_offsets_kernel, moe_align._moe_scatter_kernel):
+        yield "T=2048 E=257 BLOCK_M=64", kernel, align
+
+
 def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     """(case, kernel, launch) at both models' shapes, production configs."""
     yield from _attention_launches(16, 2, 256, 64, True)
     yield from _attention_launches(32, 4, 128, 128, False)
     yield from _gdn_launches()
+    yield from _moe_align_launches()
     yield from _small_op_launches()
 
 
