@@ -1,4 +1,4 @@
-"""The sm_90 compile report: every attention / DeltaNet / small-op kernel (the chunked-prefill variants
+"""The sm_90 compile report: every attention / DeltaNet / MoE-alignment / small-op kernel (the chunked-prefill variants
 too) compiles for Hopper at its production config, without spilling past the limit, on this CPU
 (Triton's bundled ptxas)."""
 
