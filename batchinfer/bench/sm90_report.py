@@ -1,5 +1,5 @@
-"""Compile the attention, DeltaNet, MoE-alignment and small-op kernels for sm_90 on any machine (no GPU needed) and
-report registers, spilled bytes, shared memory and the instruction mix of each.
+"""Compile the attention, DeltaNet, MoE-alignment and small-op kernels for sm_90 on any machine (no GPU
+needed) and report registers, spilled bytes, shared memory and the instruction mix of each.
 
 Each kernel is reached through its real launcher at its production config: the launcher runs on CPU
 tensors with the Triton launch replaced by a capture, so signature, constexprs, warps and stages are
