@@ -1,6 +1,6 @@
 """The sm_90 compile report: every attention / DeltaNet / MoE-alignment / small-op kernel (the
-chunked-prefill and FP8-cache variants too) compiles for Hopper at its production config, without spilling past the limit, on this CPU
-(Triton's bundled ptxas)."""
+chunked-prefill and FP8-cache variants too) compiles for Hopper at its production config, without
+spilling past the limit, on this CPU (Triton's bundled ptxas)."""
 
 import os
 import subprocess
