@@ -34,9 +34,11 @@ def _ctx(batch: int) -> int:
     return 4096 if batch <= 128 else 1024
 
 
-def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device) -> Timed:
+def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device, fp8: bool = False) -> Timed:
+    """bf16 caches, or (fp8) E4M3 caches with a scale per token and head (`kv_cache.py`); the sdpa
+    baseline reads bf16 either way."""
     H, Hkv, Dh, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, _ctx(batch)
-    kv_bytes = 2 * batch * Hkv * L * Dh * 2
+    kv_bytes = 2 * batch * Hkv * L * (Dh + 4 if fp8 else 2 * Dh)
     sets = rotating_sets(kv_bytes)
     caches = [
         (
@@ -45,6 +47,11 @@ def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device) -> Timed:
         )
         for _ in range(sets)
     ]
+    scales: dict = {}
+    if fp8:
+        ones = torch.ones(batch, Hkv, L, device=dev)
+        fp8_caches = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in caches]
+        scales = {"k_scale": ones, "v_scale": ones}
     qs = [torch.randn(batch, H, Dh, device=dev, dtype=BF16) for _ in range(sets)]
     gate = torch.randn(batch, H, Dh, device=dev, dtype=BF16) if cfg.attn_output_gate else None
     slots = torch.arange(batch, device=dev)
@@ -56,8 +63,9 @@ def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device) -> Timed:
         q = qs[i][:, :, None]
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
 
+    ours = fp8_caches if fp8 else caches
     return Timed(
-        run=lambda i: decode_attention(qs[i], *caches[i], slots, lens, max_seqlen=L, gate=gate),
+        run=lambda i: decode_attention(qs[i], *ours[i], slots, lens, max_seqlen=L, gate=gate, **scales),
         n_sets=sets,
         bytes=kv_bytes + 2 * 2 * batch * H * Dh,
         flops=4 * batch * H * L * Dh,
@@ -265,6 +273,14 @@ def attention_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator
                 f"GQA {H}/{Hkv} Dh={Dh} ctx={_ctx(m)}",
                 m,
                 lambda dev, m=m: _decode_attn(cfg, m, dev),
+                Target("bandwidth", 0.70) if m >= 32 else None,
+            )
+            yield KernelCase(
+                "decode_attention_fp8",
+                model,
+                f"GQA {H}/{Hkv} Dh={Dh} ctx={_ctx(m)}, FP8 cache",
+                m,
+                lambda dev, m=m: _decode_attn(cfg, m, dev, fp8=True),
                 Target("bandwidth", 0.70) if m >= 32 else None,
             )
         if m >= PREFILL_MIN_TOKENS:
