@@ -57,5 +57,7 @@ def test_sam3_engine_fp8_vit(tmp_path):
     engine = load_engine(str(ckpt), batch_size="2", vit="fp8")
     assert engine.describe()["quantization"] == "float32, ViT linears fp8"
     assert any(isinstance(m, FP8Linear) for m in engine.segmenter.modules())
-    with pytest.raises(ConfigError, match="vit='int4'"):
+    engine = load_engine(str(ckpt), batch_size="2", vit="fp8-mlp")
+    assert engine.describe()["quantization"] == "float32, ViT MLP linears fp8"
+    with pytest.raises(ConfigError, match="vit='int4': expected one of bf16, fp8, fp8-mlp"):
         load_engine(str(ckpt), vit="int4")

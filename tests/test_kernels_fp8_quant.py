@@ -72,6 +72,26 @@ def test_fp8_vit_swaps_the_aligned_linears():
     assert all(rel_err(a, b) < 0.1 for a, b in zip(after, before, strict=True))
 
 
+def test_fp8_vit_mlp_only_keeps_the_attention_projections():
+    """`vit=fp8-mlp`: fc1 and fc2 of every block on FP8, qkv and proj as they were (a tiny config with
+    MLP widths that are multiples of 16)."""
+    import dataclasses
+
+    from batchinfer.sam3.config import Sam3Config
+    from batchinfer.sam3.model import Sam3Model
+
+    model = Sam3Model(dataclasses.replace(Sam3Config.tiny(), vit_mlp_dim=48)).to(torch.bfloat16).eval()
+    pixels = torch.rand(2, 3, 56, 56, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16) * 2 - 1
+    with torch.no_grad():
+        before = model.encode_images(pixels)
+        assert use_fp8_vit(model, mlp_only=True) == 8  # fc1 and fc2 of 4 blocks
+        after = model.encode_images(pixels)
+    block = model.backbone.vision_backbone.trunk.blocks[0]
+    assert isinstance(block.mlp.fc1, FP8Linear) and isinstance(block.mlp.fc2, FP8Linear)
+    assert isinstance(block.attn.qkv, torch.nn.Linear) and isinstance(block.attn.proj, torch.nn.Linear)
+    assert all(rel_err(a, b) < 0.1 for a, b in zip(after, before, strict=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k", [1024, 4736])  # the SAM 3 ViT's widths

@@ -327,11 +327,11 @@ def format_result(result: dict) -> list[str]:
 )
 @click.option(
     "--vit",
-    type=click.Choice(["bf16", "fp8"]),
+    type=click.Choice(["bf16", "fp8", "fp8-mlp"]),
     default="bf16",
     show_default=True,
-    help="The ViT's linears in --dtype, or on FP8 weights and activations (batchinfer/sam3/fp8.py; at "
-    "real shapes it fails the accuracy lock, docs/PERF_IMAGES.md).",
+    help="The ViT's linears in --dtype, or on FP8 weights and activations (batchinfer/sam3/fp8.py): all "
+    "four a block (at real shapes this fails the accuracy lock, docs/PERF_IMAGES.md) or the MLP's only.",
 )
 @click.option("--batch-size", default=16, show_default=True, type=int, help="Images per model call.")
 @click.option(
@@ -415,10 +415,10 @@ def images(
         state = {k.removeprefix("detector."): v for k, v in random_sam3_state_dict(config, seed).items()}
         info = {"model": f"preset {preset} (random weights, seed {seed})"}
     model, reference = build_models(state, config, dev, run_dtype)
-    if vit == "fp8":
+    if vit != "bf16":
         from batchinfer.sam3.fp8 import use_fp8_vit
 
-        use_fp8_vit(model)
+        use_fp8_vit(model, mlp_only=vit == "fp8-mlp")
     meta = None
     if peer == "meta":
         from batchinfer.bench.meta_sam3_peer import MetaSam3Peer

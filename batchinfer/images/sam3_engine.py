@@ -25,6 +25,7 @@ def load_engine(
     model_path: str, batch_size: str = "8", device: str = "", dtype: str = "", vit: str = "bf16"
 ) -> SegmenterEngine:
     """`FACTORY(model_path, **engine_args)` for `--engine batchinfer.images.sam3_engine:load_engine`."""
+    from batchinfer.sam3.fp8 import VIT_MODES, use_fp8_vit
     from batchinfer.sam3.model import Sam3Model
 
     if not model_path:
@@ -33,17 +34,16 @@ def load_engine(
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--engine-arg dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
-    if vit not in ("bf16", "fp8"):
-        raise ConfigError(f"--engine-arg vit={vit!r}: expected bf16 or fp8")
+    if vit not in VIT_MODES:
+        raise ConfigError(f"--engine-arg vit={vit!r}: expected one of {', '.join(VIT_MODES)}")
     model = Sam3Model.from_checkpoint(model_path, device=device, dtype=DTYPES[dtype])
-    if vit == "fp8":
-        from batchinfer.sam3.fp8 import use_fp8_vit
-
-        use_fp8_vit(model)
+    if vit != "bf16":
+        use_fp8_vit(model, mlp_only=vit == "fp8-mlp")
     facts = {
         "engine": "sam3",
         "model": str(model_path),
-        "quantization": dtype if vit == "bf16" else f"{dtype}, ViT linears fp8",
+        "quantization": {"bf16": dtype, "fp8": f"{dtype}, ViT linears fp8",
+                         "fp8-mlp": f"{dtype}, ViT MLP linears fp8"}[vit],
         "device": device,
         "image_size": str(model.config.image_size),
         "mask_threshold": "0.5",  # sigmoid of the upsampled mask logits (Meta's Sam3Processor)

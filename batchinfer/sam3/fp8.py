@@ -5,7 +5,10 @@
 quantizes its input per row on the fly (`kernels/fp8_quant.py`, one pass), then `torch._scaled_mm` with
 row-wise scales (on the GPU cuBLASLt or CUTLASS, as PyTorch picks, with the bias fused, bf16 out only;
 PyTorch's CPU kernel elsewhere). Chosen per engine (`--engine-arg vit=fp8`, `bench images --vit fp8`);
-the accuracy lock of `bench images` compares it with the fp32 reference like any other fast path.
+the accuracy lock of `bench images` compares it with the fp32 reference like any other fast path. At real
+shapes all four linears of every block failed the lock (mean mask IoU 0.875, docs/PERF_IMAGES.md);
+`vit=fp8-mlp` swaps only the MLP's (fc1, fc2: about two thirds of the ViT's linear FLOPs) and keeps the
+attention projections, whose errors the softmax sharpens, in bf16.
 """
 
 from __future__ import annotations
@@ -41,16 +44,23 @@ class FP8Linear(nn.Module):
         return out.view(*x.shape[:-1], -1)
 
 
-def use_fp8_vit(model: nn.Module) -> int:
-    """Swap the ViT blocks' linears (qkv, proj, fc1, fc2) of a `Sam3Model` for `FP8Linear`s, in place;
-    linears whose widths are not multiples of 16 (tiny test models) stay as they are. Returns how many
-    were swapped. On a GPU the model must be bf16 (PyTorch's row-wise FP8 GEMM writes bf16 only)."""
+VIT_MODES = ("bf16", "fp8", "fp8-mlp")  # the engine's and `bench images`' choices of ViT linears
+
+
+def use_fp8_vit(model: nn.Module, mlp_only: bool = False) -> int:
+    """Swap the ViT blocks' linears (qkv, proj, fc1, fc2; with `mlp_only` fc1 and fc2) of a `Sam3Model`
+    for `FP8Linear`s, in place; linears whose widths are not multiples of 16 (tiny test models) stay as
+    they are. Returns how many were swapped. On a GPU the model must be bf16 (PyTorch's row-wise FP8
+    GEMM writes bf16 only)."""
     param = next(model.parameters())
     if param.is_cuda and param.dtype != torch.bfloat16:
         raise ConfigError(f"FP8 ViT linears on a GPU need the model in bfloat16, got {param.dtype}")
     swapped = 0
     for block in model.backbone.vision_backbone.trunk.blocks:
-        for parent, name in (block.attn, "qkv"), (block.attn, "proj"), (block.mlp, "fc1"), (block.mlp, "fc2"):
+        linears = [(block.mlp, "fc1"), (block.mlp, "fc2")]
+        if not mlp_only:
+            linears += [(block.attn, "qkv"), (block.attn, "proj")]
+        for parent, name in linears:
             linear = getattr(parent, name)
             if isinstance(linear, nn.Linear) and linear.in_features % 16 == linear.out_features % 16 == 0:
                 setattr(parent, name, FP8Linear(linear))
