@@ -304,12 +304,15 @@ def _e2m1_pair(w, P: tl.constexpr):
 @triton.jit
 def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAIRED: tl.constexpr):
     """The x of code P of the int64 `groups` of a row (fp32): x[16 g + P]; in the paired layout (`moe_tc`:
-    int64 g holds codes 8r..8r+7 of the pair's groups A (even P) and B (odd P), r = g % 2) x[16 g - 8 r +
-    P // 2 + 16 (P % 2)]. X_PMAJOR rows are stored as [16, G] in that order (the gate_up kernel's store)."""
+    int64 g = 2 q + r holds bytes 8r..8r+7 of block q, byte p the K index `BYTE_K[p]` of the pair's groups
+    A (even P) and B (odd P)) x[32 q + BYTE_K[8 r + P // 2] + 16 (P % 2)], where BYTE_K[8 r + b] = 4 r +
+    BYTE_K[b] for b < 8. X_PMAJOR rows are stored as [16, G] in that order (the gate_up kernel's store)."""
     if X_PMAJOR:
         offs = P * G + groups
     elif PAIRED:
-        offs = groups * 16 - (groups % 2) * 8 + (P // 2 + 16 * (P % 2))
+        b: tl.constexpr = P // 2
+        k: tl.constexpr = 8 * ((b % 4) // 2) + 2 * (b // 4) + b % 2 + 16 * (P % 2)
+        offs = (groups // 2) * 32 + (groups % 2) * 4 + k
     else:
         offs = groups * 16 + P
     return tl.load(x_row + offs, mask=mask_g, other=0.0).to(tl.float32)[None, :]
@@ -443,9 +446,11 @@ def _moe_decode_gate_up_kernel(
         gate = gate * (tl.load(ts_ptr + e * 2) * 4194304.0)
         up = up * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
         act = bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
-        if PAIRED:  # column n = 32 q + 16 grp + 8 r + i is code P = 2 i + grp of int64 g = 2 q + r
-            a = rows % 16
-            cols = (2 * (a % 8) + (rows % 32) // 16) * (N // 16) + 2 * (rows // 32) + a // 8
+        if PAIRED:  # column n = 32 q + 16 grp + k sits in byte p = 4 ((k % 8) // 2) + 2 (k // 8) + k % 2
+            # of block q (`moe_tc.BYTE_K` inverted): code P = 2 (p % 8) + grp of int64 g = 2 q + p // 8
+            k = rows % 16
+            p = 4 * ((k % 8) // 2) + 2 * (k // 8) + k % 2
+            cols = (2 * (p % 8) + (rows % 32) // 16) * (N // 16) + 2 * (rows // 32) + p // 8
         else:
             cols = (rows % 16) * (N // 16) + rows // 16
         tl.store(out_ptr + entry.to(tl.int64) * stride_om + cols, act, mask=mask_n)

@@ -11,9 +11,13 @@ and from there straight into the wgmma register operand layout, decoding in regi
 sm_90 TTGIR: no shared-memory copy of the decoded weight).
 
 That needs one block scale per row for each K=16 MMA, so the codes are repacked once (`pair_groups`):
-within each 32-code block of a row (two 16-code scale groups A, B) byte j holds A's code j in its low
-nibble and B's code j in its high nibble. A step loads 16 bytes a row; the low nibbles are group A in K
-order (one MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]). A loop iteration covers
+within each 32-code block of a row (two 16-code scale groups A, B) one byte holds A's code j in its low
+nibble and B's code j in its high nibble, and the 16 bytes are ordered so that the four a thread's MMA
+operand needs (K = 2t, 2t+1, 2t+8, 2t+9 for t = 0..3) are adjacent: byte `4 t + 2 h + c` holds K = `8 h +
+2 t + c` (`BYTE_K`). A step loads 16 bytes a row; the kernel views them back in K order (a reshape and
+permute that only relabels a thread's registers) and decodes four at a time, so shared memory is read
+32 bits at a time (sm_90: 11 shared loads an iteration instead of 27). The low nibbles are group A (one
+MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]). A loop iteration covers
 STEPS such blocks and loads a row's 2 STEPS block scales in one load, which Triton pipelines by cp.async
 with the codes (one-byte scale loads cannot be, and stalled the warps on L1: ncu on the H200, session 6).
 
@@ -54,6 +58,10 @@ class MoETCConfig:
     down: tuple[int, int, int, int]
 
 
+# The K index (0-15 within a scale group) held by each byte of a 16-byte block in the paired layout.
+BYTE_K = [8 * ((p % 4) // 2) + 2 * (p // 4) + p % 2 for p in range(16)]
+
+
 def pair_groups(packed: torch.Tensor) -> torch.Tensor:
     """NVFP4 codes `uint8 [..., K/2]` (byte j: code 2j low, 2j+1 high) -> the paired layout (module
     docstring) of the same shape. K must be a multiple of 32."""
@@ -61,6 +69,7 @@ def pair_groups(packed: torch.Tensor) -> torch.Tensor:
     if k % 32:
         raise ValueError(f"pair_groups: K = {k} codes a row must be a multiple of 32")
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k // 32, 2, 16)
+    codes = codes[..., BYTE_K]
     return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(packed.shape)
 
 
@@ -72,11 +81,13 @@ def pair_moe_weights(w: MoEWeights) -> MoEWeights:
 
 
 def _ptx(sh_m: int, sh_s: int) -> str:
-    """Two bytes (one MMA operand pair: consecutive K of a row) -> two bf16 codes * 2^-126 of one nibble:
-    spread to [b0, 0, b1, 0], magnitude bits shifted to 6-8, sign to 15 (Triton's integer ops on uint8
-    tensors spend ~1.3x the instructions: PRMTs to widen each byte, then 16-bit shifts)."""
-    return ("{ .reg .b32 t, u, v; prmt.b32 t, $1, 0, 0x4140; " f"shl.b32 u, t, {sh_m}; shl.b32 v, t, {sh_s}; "
-            "and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $0, u, v; }")
+    """Four bytes (a thread's operand pairs of one row: K = 2t, 2t+1 and 2t+8, 2t+9) -> four bf16 codes *
+    2^-126 of one nibble, two a register: each byte pair spread to [b0, 0, b1, 0], magnitude bits shifted
+    to 6-8, sign to 15 (Triton's integer ops on uint8 tensors spend ~1.3x the instructions: PRMTs to
+    widen each byte, then 16-bit shifts)."""
+    pair = lambda sel, out: (f"prmt.b32 t, $2, 0, {sel}; shl.b32 u, t, {sh_m}; shl.b32 v, t, {sh_s}; "
+                             f"and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 {out}, u, v; ")
+    return "{ .reg .b32 t, u, v; " + pair("0x4140", "$0") + pair("0x4342", "$1") + "}"
 
 
 _LO_PTX = tl.constexpr(_ptx(6, 12))
@@ -97,7 +108,7 @@ def _weight(b, s, HI: tl.constexpr, INTERPRET: tl.constexpr):
     if INTERPRET:
         return e2m1_to_f32(b, HI) * s.to(tl.float32) * 1.925929944387236e-34  # * 2^-112
     ptx: tl.constexpr = _HI_PTX if HI else _LO_PTX
-    c = tl.inline_asm_elementwise(ptx, "=r,r", [b.to(tl.uint8)], dtype=tl.bfloat16, is_pure=True, pack=2)
+    c = tl.inline_asm_elementwise(ptx, "=r,=r,r", [b.to(tl.uint8)], dtype=tl.bfloat16, is_pure=True, pack=4)
     return c * s
 
 
@@ -119,7 +130,10 @@ def _iteration_scales(s, BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
 def _pair_step(w_ptrs, sa, sb, mask_n, xa, xb, acc, INTERPRET: tl.constexpr):
     """acc + W[:, k : k+32] @ x^T for one 32-code block: 16 bytes a row, two K=16 MMAs; sa, sb [BN] the
     block's two scales (fp32 from `_scale`)."""
-    b = tl.load(w_ptrs, mask=mask_n[:, None], other=0).to(tl.int32)
+    b = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
+    BN: tl.constexpr = b.shape[0]
+    # byte 4 t + 2 h + c holds K = 8 h + 2 t + c (`BYTE_K`): back to K order, within each thread's registers
+    b = tl.reshape(tl.permute(tl.reshape(b, (BN, 4, 2, 2)), (0, 2, 1, 3)), (BN, 16)).to(tl.int32)
     sa = sa.to(tl.bfloat16)[:, None]
     sb = sb.to(tl.bfloat16)[:, None]
     acc = tl.dot(_weight(b, sa, False, INTERPRET), xa, acc)
@@ -222,10 +236,11 @@ def _dequant_paired_kernel(
     b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask, other=0).to(tl.int32)
     s_ptrs = s_ptr + rows[:, None] * stride_sn + 2 * pairs[None, :]
     ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None, None] * 4194304.0
+    kj = 8 * ((j % 4) // 2) + 2 * (j // 4) + j % 2  # the K index byte j holds (`BYTE_K`)
     for hi in tl.static_range(2):  # group A (low nibbles), then B
         sf = e4m3_to_f32(tl.load(s_ptrs + hi, mask=mask_rp, other=0))
         val = bf16_rne(e2m1_to_f32(b, hi == 1) * sf[:, :, None] * ts, INTERPRET)
-        k = pairs[None, :, None] * 32 + 16 * hi + j[None, None, :]
+        k = pairs[None, :, None] * 32 + 16 * hi + kj[None, None, :]
         tl.store(out_ptr + rows[:, None, None] * stride_on + k, val, mask=mask)
 
 

@@ -12,7 +12,7 @@ from batchinfer.kernels.moe import (
     moe_route,
 )
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
-from batchinfer.kernels.moe_tc import MoETCConfig, pair_groups, pair_moe_weights
+from batchinfer.kernels.moe_tc import BYTE_K, MoETCConfig, pair_groups, pair_moe_weights
 from test_kernels_moe import DEVICE, _rel, _route, _weights
 
 CFGS = [
@@ -22,14 +22,18 @@ CFGS = [
 
 
 def test_pairing_moves_every_code_to_its_slot():
-    """Byte j of each 32-code block: code j of the first scale group (low nibble), code 16 + j (high)."""
+    """Byte p of each 32-code block: code k = BYTE_K[p] of the first scale group (low nibble), 16 + k
+    (high); a thread's four operand K (2t, 2t+1, 2t+8, 2t+9) in bytes 4t..4t+3."""
+    assert sorted(BYTE_K) == list(range(16))
+    assert [BYTE_K[4 * t : 4 * t + 4] for t in range(4)] == [[2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]
+                                                             for t in range(4)]
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (3, 5, 32), dtype=torch.uint8, generator=g)  # K = 64 codes a row
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(3, 5, 64)
-    paired = pair_groups(packed)
-    block = paired.reshape(3, 5, 2, 16)
-    assert torch.equal(block & 0xF, codes.reshape(3, 5, 2, 2, 16)[:, :, :, 0])
-    assert torch.equal(block >> 4, codes.reshape(3, 5, 2, 2, 16)[:, :, :, 1])
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(3, 5, 2, 2, 16)  # [.., block, group, k]
+    block = pair_groups(packed).reshape(3, 5, 2, 16)
+    for p, k in enumerate(BYTE_K):
+        assert torch.equal(block[..., p] & 0xF, codes[..., 0, k])
+        assert torch.equal(block[..., p] >> 4, codes[..., 1, k])
     with pytest.raises(ValueError, match="multiple of 32"):
         pair_groups(packed[..., :8])
 
@@ -168,10 +172,11 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
         assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
 
 
-def _run_ptx(ptx: str, src: int) -> int:
+def _run_ptx(ptx: str, src: int) -> tuple[int, int]:
     """A model of the few PTX instructions `moe_tc`'s decode uses (the interpreter cannot run inline PTX):
-    32-bit prmt (byte select, selector nibbles 0-3 from a, 4-7 from b), shl, and, or. Returns $0."""
-    regs = {"$1": src}
+    32-bit prmt (byte select, selector nibbles 0-3 from a, 4-7 from b), shl, and, or. Input $2; returns
+    ($0, $1)."""
+    regs = {"$2": src}
     val = lambda t: int(t, 0) if t[0].isdigit() else regs[t]
     for ins in ptx.strip("{} ").split(";"):
         ins = ins.strip()
@@ -190,21 +195,23 @@ def _run_ptx(ptx: str, src: int) -> int:
             regs[d] = val(a[0]) | val(a[1])
         else:
             raise AssertionError(f"instruction the test does not model: {ins}")
-    return regs["$0"]
+    return regs["$0"], regs["$1"]
 
 
 @pytest.mark.parametrize("hi", [False, True])
 def test_decode_ptx_builds_the_bf16_codes(hi):
-    """For every byte pair, the PTX gives bf16 bits worth E2M1(code) * 2^-126 of the chosen nibble, byte 0
-    in the low half (upper source bits, which the 16-bit load leaves undefined, ignored)."""
+    """Each byte value (in position value % 4, random bytes beside it) gives bf16 bits worth E2M1(code) *
+    2^-126 of the chosen nibble: bytes 0, 1 in $0 (low half first), bytes 2, 3 in $1."""
     from batchinfer.kernels import moe_tc
     from batchinfer.kernels.nvfp4 import E2M1_VALUES
 
     ptx = (moe_tc._HI_PTX if hi else moe_tc._LO_PTX).value
+    g = torch.Generator().manual_seed(7)
     for b0 in range(256):
-        for b1 in range(0, 256, 7):
-            out = _run_ptx(ptx, b0 | b1 << 8 | 0xA5A5 << 16)
-            halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16)
-            got = halves.view(torch.bfloat16).double() * 2.0**126
-            want = E2M1_VALUES[[(b >> 4) if hi else (b & 0xF) for b in (b0, b1)]].double()
-            assert torch.equal(got, want), (b0, b1, got, want)
+        b = [b0, *torch.randint(0, 256, (3,), generator=g).tolist()]
+        b = b[b0 % 4 :] + b[: b0 % 4]  # b0 in every position in turn
+        out0, out1 = _run_ptx(ptx, b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)
+        halves = torch.tensor([out0 & 0xFFFF, out0 >> 16, out1 & 0xFFFF, out1 >> 16], dtype=torch.int32)
+        got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**126
+        want = E2M1_VALUES[[(x >> 4) if hi else (x & 0xF) for x in b]].double()
+        assert torch.equal(got, want), (b, got, want)
