@@ -26,26 +26,33 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 @triton.jit
-def _store_kv_kernel(
-    x_ptr, cache_ptr, scale_ptr, slot_ptr, pos_ptr,  #
-    stride_xt, stride_xh, stride_cs, stride_ch, stride_ct, stride_ss, stride_sh,  #
-    HEAD_DIM: tl.constexpr, FP8: tl.constexpr,  #
-):
-    """One (token, kv head) row a program: x row -> cache (bf16 as is; FP8: codes, and its scale)."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
-    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    dst = cache_ptr + slot * stride_cs + h * stride_ch + pos * stride_ct + d
+def _store_row(x, cache_ptr, scale_ptr, s_off, FP8: tl.constexpr):
+    """One row into a cache (bf16 as is; FP8: codes at cache_ptr, its scale at scale_ptr + s_off)."""
     if FP8:
         xf = x.to(tl.float32)
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-12), 448.0)  # as PyTorch's division
-        tl.store(dst, tl.div_rn(xf, scale).to(tl.float8e4nv))
-        tl.store(scale_ptr + slot * stride_ss + h * stride_sh + pos, scale)
+        tl.store(cache_ptr, tl.div_rn(xf, scale).to(tl.float8e4nv))
+        tl.store(scale_ptr + s_off, scale)
     else:
-        tl.store(dst, x.to(cache_ptr.dtype.element_ty))
+        tl.store(cache_ptr, x.to(cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, pos_ptr,  #
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch, stride_ct, stride_ss, stride_sh,  #
+    HEAD_DIM: tl.constexpr, FP8: tl.constexpr,  #
+):
+    """One (token, kv head) a program: its key and value rows into the caches (one launch for both)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dst = slot * stride_cs + h * stride_ch + pos * stride_ct + d
+    s_off = slot * stride_ss + h * stride_sh + pos
+    _store_row(tl.load(k_ptr + t * stride_kt + h * stride_kh + d), kc_ptr + dst, ks_ptr, s_off, FP8)
+    _store_row(tl.load(v_ptr + t * stride_vt + h * stride_vh + d), vc_ptr + dst, vs_ptr, s_off, FP8)
 
 
 def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,39 +70,51 @@ def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tens
 
 
 def store_kv(
-    x: torch.Tensor,
-    cache: torch.Tensor,
-    scale: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     slots: torch.Tensor,
     positions: torch.Tensor,
 ) -> None:
-    """Write `x [T, Hkv, Dh]` (bf16) into `cache [S, Hkv, L, Dh]` at (`slots[t]`, :, `positions[t]`); an
-    FP8 cache (`float8_e4m3fn`) needs `scale [S, Hkv, L]` (fp32), written alongside. `slots` and
-    `positions` are integer `[T]` on the cache's device. No host sync (CUDA-graph safe)."""
-    fp8 = cache.dtype == torch.float8_e4m3fn
-    t, hkv, dh = x.shape
-    if cache.dim() != 4 or cache.shape[1] != hkv or cache.shape[3] != dh or cache.stride(3) != 1:
-        raise ValueError(f"store_kv: cache {tuple(cache.shape)} does not take rows of x {tuple(x.shape)}")
-    if fp8 != (scale is not None):
+    """Write `k, v [T, Hkv, Dh]` (bf16) into `k_cache, v_cache [S, Hkv, L, Dh]` (one layout) at (`slots[t]`,
+    :, `positions[t]`); FP8 caches (`float8_e4m3fn`) need `k_scale, v_scale [S, Hkv, L]` (fp32), written
+    alongside. `slots` and `positions` are integer `[T]` on the caches' device. One launch, no host sync
+    (CUDA-graph safe)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    t, hkv, dh = k.shape
+    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if x.shape != k.shape or cache.dim() != 4 or cache.shape[1] != hkv or cache.shape[3] != dh:
+            raise ValueError(f"store_kv: {name}_cache {tuple(cache.shape)} does not take rows of {name} "
+                             f"{tuple(x.shape)}")
+    if (v_cache.dtype, v_cache.shape, v_cache.stride()) != (k_cache.dtype, k_cache.shape, k_cache.stride()):
+        raise ValueError("store_kv: k_cache and v_cache need one dtype, shape and layout")
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
         raise ValueError("store_kv: an FP8 cache needs its scales, a bf16 cache has none")
-    if scale is not None and (scale.shape != cache.shape[:3] or scale.dtype != torch.float32):
-        raise ValueError(f"store_kv: scale {tuple(scale.shape)} {scale.dtype}, expected "
-                         f"{tuple(cache.shape[:3])} float32")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and (scale.shape != k_cache.shape[:3] or scale.dtype != torch.float32
+                                  or scale.stride() != k_scale.stride()):  # type: ignore[union-attr]
+            raise ValueError(f"store_kv: {name} {tuple(scale.shape)} {scale.dtype}, expected "
+                             f"{tuple(k_cache.shape[:3])} float32 (both scales in one layout)")
     if t == 0:
         return
-    if not x.is_cuda:  # the interpreter's E4M3 cast is not PyTorch's: quantize and scatter with torch
+    if not k.is_cuda:  # the interpreter's E4M3 cast is not PyTorch's: quantize and scatter with torch
         s, p = slots.long(), positions.long()
-        if fp8:
-            cache[s, :, p], scale[s, :, p] = quantize_kv_ref(x)  # type: ignore[index]
-        else:
-            cache[s, :, p] = x.to(cache.dtype)
+        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            if fp8:
+                cache[s, :, p], scale[s, :, p] = quantize_kv_ref(x)  # type: ignore[index]
+            else:
+                cache[s, :, p] = x.to(cache.dtype)
         return
-    if x.stride(2) != 1 or dh & (dh - 1):
-        raise ValueError(f"store_kv: x needs a contiguous last dim of a power of two, got {tuple(x.shape)}")
-    sc = scale if scale is not None else cache  # unused without FP8
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or dh & (dh - 1):
+        raise ValueError(f"store_kv: contiguous last dims of a power of two expected, got {tuple(k.shape)}")
+    ks = k_scale if k_scale is not None else k_cache  # unused without FP8
+    vs = v_scale if v_scale is not None else v_cache
     _store_kv_kernel[(t, hkv)](
-        x, cache, sc, slots, positions,  #
-        x.stride(0), x.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),  #
-        sc.stride(0), sc.stride(1),  #
+        k, v, k_cache, v_cache, ks, vs, slots, positions,  #
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),  #
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1),  #
         HEAD_DIM=dh, FP8=fp8, num_warps=1 if dh <= 128 else 2,  #
     )

@@ -32,19 +32,20 @@ def _caches(slots, hkv, max_len, dh, fp8):
 
 
 def test_store_writes_bf16_rows_and_fp8_codes_with_their_scales():
-    x = _rows(5, 2, 32, seed=1)
+    k, v = _rows(5, 2, 32, seed=1), _rows(5, 2, 32, seed=9)
     slots = torch.tensor([3, 0, 3, 1, 2], device=DEV)
     pos = torch.tensor([0, 7, 1, 4, 9], device=DEV)
-    cache, _ = _caches(4, 2, 10, 32, fp8=False)
-    store_kv(x, cache, None, slots, pos)
-    assert torch.equal(cache[slots, :, pos].cpu(), x.cpu())
-    cache, scale = _caches(4, 2, 10, 32, fp8=True)
-    store_kv(x, cache, scale, slots, pos)
-    codes, s = quantize_kv_ref(x)
-    assert torch.equal(cache[slots, :, pos].view(torch.uint8).cpu(), codes.view(torch.uint8).cpu())
-    assert torch.equal(scale[slots, :, pos].cpu(), s.cpu())
-    assert rel_err(dequantize_kv(cache[slots, :, pos], scale[slots, :, pos]), x) < 0.04  # 3 mantissa bits
-    assert (codes.float().abs().amax(-1) == 448.0).all()  # each row's largest value at E4M3's top
+    (kc, _), (vc, _) = _caches(4, 2, 10, 32, fp8=False), _caches(4, 2, 10, 32, fp8=False)
+    store_kv(k, v, kc, vc, None, None, slots, pos)
+    assert torch.equal(kc[slots, :, pos].cpu(), k.cpu()) and torch.equal(vc[slots, :, pos].cpu(), v.cpu())
+    (kc, ks), (vc, vs) = _caches(4, 2, 10, 32, fp8=True), _caches(4, 2, 10, 32, fp8=True)
+    store_kv(k, v, kc, vc, ks, vs, slots, pos)
+    for x, cache, scale in ((k, kc, ks), (v, vc, vs)):
+        codes, s = quantize_kv_ref(x)
+        assert torch.equal(cache[slots, :, pos].view(torch.uint8).cpu(), codes.view(torch.uint8).cpu())
+        assert torch.equal(scale[slots, :, pos].cpu(), s.cpu())
+        assert rel_err(dequantize_kv(cache[slots, :, pos], scale[slots, :, pos]), x) < 0.04  # 3 mantissa bits
+        assert (codes.float().abs().amax(-1) == 448.0).all()  # each row's largest value at E4M3's top
 
 
 def test_store_rejects_mismatched_caches():
@@ -52,36 +53,41 @@ def test_store_rejects_mismatched_caches():
     idx = torch.zeros(2, dtype=torch.int64, device=DEV)
     cache, scale = _caches(1, 2, 4, 32, fp8=True)
     with pytest.raises(ValueError, match="an FP8 cache needs its scales"):
-        store_kv(x, cache, None, idx, idx)
-    with pytest.raises(ValueError, match=r"scale \(1, 2, 3\)"):
-        store_kv(x, cache, scale[:, :, :3], idx, idx)
+        store_kv(x, x, cache, cache, scale, None, idx, idx)
+    with pytest.raises(ValueError, match=r"v_scale \(1, 2, 3\)"):
+        store_kv(x, x, cache, cache, scale, scale[:, :, :3], idx, idx)
     with pytest.raises(ValueError, match="does not take rows"):
-        store_kv(x, _caches(1, 1, 4, 32, fp8=False)[0], None, idx, idx)
+        small = _caches(1, 1, 4, 32, fp8=False)[0]
+        store_kv(x, x, small, small, None, None, idx, idx)
+    with pytest.raises(ValueError, match="one dtype, shape and layout"):
+        store_kv(x, x, cache, _caches(1, 2, 4, 32, fp8=False)[0], scale, scale, idx, idx)
 
 
 def test_store_kernel_on_the_interpreter():
     """The kernel itself (the CPU path of `store_kv` quantizes with PyTorch): scales equal to the
     reference's; codes only roughly (the interpreter's fp32 -> E4M3 cast is its own, `fp8_quant.py`)."""
-    x = _rows(4, 2, 32, seed=3)
+    k, v = _rows(4, 2, 32, seed=3), _rows(4, 2, 64, seed=4)[..., :32]  # v: a view with its own row strides
     slots = torch.tensor([1, 0, 1, 0], dtype=torch.int32, device=DEV)
     pos = torch.tensor([2, 0, 0, 5], dtype=torch.int32, device=DEV)
-    cache, scale = _caches(2, 2, 6, 32, fp8=True)
-    kv_cache._store_kv_kernel[(4, 2)](
-        x, cache, scale, slots, pos, x.stride(0), x.stride(1), cache.stride(0), cache.stride(1),
-        cache.stride(2), scale.stride(0), scale.stride(1), HEAD_DIM=32, FP8=True,
-    )
-    codes, s = quantize_kv_ref(x)
+
+    def launch(kc, vc, ks, vs, fp8):
+        kv_cache._store_kv_kernel[(4, 2)](
+            k, v, kc, vc, ks, vs, slots, pos, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), HEAD_DIM=32, FP8=fp8,
+        )
+
+    (kc, ks), (vc, vs) = _caches(2, 2, 6, 32, fp8=True), _caches(2, 2, 6, 32, fp8=True)
+    launch(kc, vc, ks, vs, True)
     s_ptr, p_ptr = slots.long(), pos.long()
-    torch.testing.assert_close(scale[s_ptr, :, p_ptr], s, rtol=1e-6, atol=0)
-    got, exact = cache[s_ptr, :, p_ptr].float(), x.float() / s.unsqueeze(-1)
-    assert torch.equal(got.sign(), codes.float().sign())
-    assert ((got - exact).abs() <= exact.abs() / 2 + 2.0**-9).all()
-    bf16, _ = _caches(2, 2, 6, 32, fp8=False)
-    kv_cache._store_kv_kernel[(4, 2)](
-        x, bf16, bf16, slots, pos, x.stride(0), x.stride(1), bf16.stride(0), bf16.stride(1),
-        bf16.stride(2), 0, 0, HEAD_DIM=32, FP8=False,
-    )
-    assert torch.equal(bf16[s_ptr, :, p_ptr], x)
+    for x, cache, scale in ((k, kc, ks), (v, vc, vs)):
+        codes, s = quantize_kv_ref(x)
+        torch.testing.assert_close(scale[s_ptr, :, p_ptr], s, rtol=1e-6, atol=0)
+        got, exact = cache[s_ptr, :, p_ptr].float(), x.float() / s.unsqueeze(-1)
+        assert torch.equal(got.sign(), codes.float().sign())
+        assert ((got - exact).abs() <= exact.abs() / 2 + 2.0**-9).all()
+    (kb, _), (vb, _) = _caches(2, 2, 6, 32, fp8=False), _caches(2, 2, 6, 32, fp8=False)
+    launch(kb, vb, kb, vb, False)
+    assert torch.equal(kb[s_ptr, :, p_ptr], k) and torch.equal(vb[s_ptr, :, p_ptr], v)
 
 
 def _filled(slots, hkv, max_len, dh, lens, seed):
@@ -89,8 +95,7 @@ def _filled(slots, hkv, max_len, dh, lens, seed):
     (kc, ks), (vc, vs) = _caches(slots, hkv, max_len, dh, True), _caches(slots, hkv, max_len, dh, True)
     for s, n in enumerate(lens):
         idx, pos = torch.full((n,), s, device=DEV), torch.arange(n, device=DEV)
-        store_kv(_rows(n, hkv, dh, seed + s), kc, ks, idx, pos)
-        store_kv(_rows(n, hkv, dh, seed + 100 + s), vc, vs, idx, pos)
+        store_kv(_rows(n, hkv, dh, seed + s), _rows(n, hkv, dh, seed + 100 + s), kc, vc, ks, vs, idx, pos)
     return kc, ks, vc, vs
 
 
@@ -144,12 +149,14 @@ def test_cached_prefill_reads_an_fp8_cache(monkeypatch):
 def test_fp8_cache_real_shapes_gpu(H, Hkv, Dh):
     """Both models' attention shapes: the store's codes are PyTorch's bits, decode attention over 1,000
     cached tokens matches fp32 on the dequantized cache, and stays close to the bf16 cache it replaces."""
-    x = _rows(64, Hkv, Dh, seed=30)
-    cache, scale = _caches(2, Hkv, 64, Dh, fp8=True)
-    store_kv(x, cache, scale, torch.zeros(64, dtype=torch.int64, device=DEV), torch.arange(64, device=DEV))
-    codes, s = quantize_kv_ref(x)
-    assert torch.equal(cache[0].transpose(0, 1).view(torch.uint8), codes.view(torch.uint8))
-    assert torch.equal(scale[0].transpose(0, 1), s)
+    k, v = _rows(64, Hkv, Dh, seed=30), _rows(64, Hkv, Dh, seed=32)
+    (kc, ks), (vc, vs) = _caches(2, Hkv, 64, Dh, fp8=True), _caches(2, Hkv, 64, Dh, fp8=True)
+    zeros, arange = torch.zeros(64, dtype=torch.int64, device=DEV), torch.arange(64, device=DEV)
+    store_kv(k, v, kc, vc, ks, vs, zeros, arange)
+    for x, cache, scale in ((k, kc, ks), (v, vc, vs)):
+        codes, s = quantize_kv_ref(x)
+        assert torch.equal(cache[0].transpose(0, 1).view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(scale[0].transpose(0, 1), s)
     lens = [1000, 333]
     kc, ks, vc, vs = _filled(2, Hkv, 1024, Dh, lens, seed=31)
     q = torch.randn(2, H, Dh, device=DEV).to(torch.bfloat16)

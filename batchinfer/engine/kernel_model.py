@@ -270,8 +270,7 @@ class KernelModel:
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
                 kc, vc, ks, vs = state.k[i], state.v[i], state.k_scale[i], state.v_scale[i]
-                store_kv(k, kc, ks, token_slots, positions)  # type: ignore[arg-type]
-                store_kv(v, vc, vs, token_slots, positions)  # type: ignore[arg-type]
+                store_kv(k, v, kc, vc, ks, vs, token_slots, positions)  # type: ignore[arg-type]
                 if past is None:  # a fresh prompt attends to its own bf16 K/V, whatever the cache keeps
                     o = prefill_attention(q, k, v, cu_seqlens, max_seqlen, gate=gate)
                 else:
@@ -327,8 +326,7 @@ class KernelModel:
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
                 kc, vc, ks, vs = state.k[i], state.v[i], state.k_scale[i], state.v_scale[i]
-                store_kv(k, kc, ks, slot_idx, pos_idx)  # type: ignore[arg-type]
-                store_kv(v, vc, vs, slot_idx, pos_idx)  # type: ignore[arg-type]
+                store_kv(k, v, kc, vc, ks, vs, slot_idx, pos_idx)  # type: ignore[arg-type]
                 o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)  # type: ignore[arg-type]
                 h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
             else:
