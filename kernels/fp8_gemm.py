@@ -9,7 +9,11 @@ Why W8A16 and not W8A8 on the FP8 tensor cores: decode (M <= 64) is bandwidth-bo
 the same weight bytes and W8A16 skips quantizing activations and keeps bf16 accuracy; the benchmark
 measures cuBLAS W8A8 (`torch._scaled_mm`) beside it for the prefill sizes.
 Small M splits K across CTAs exactly like `nvfp4_gemm` (same counters and workspace scheme); above
-FUSED_MAX_M rows W is dequantized to bf16 in one pass and cuBLAS runs the GEMM. sm_90.
+FUSED_MAX_M rows W is dequantized to bf16 in one pass and cuBLAS runs the GEMM. One row (single-stream
+decode) takes a GEMV on CUDA cores instead (`_fp8_gemv_kernel`): the tensor-core kernel pads it to 16 rows
+and moves each decoded W tile through shared memory into the MMA layout, and reached 1.16 TB/s at q_proj
+(8192 x 2048) on the H200, where cuBLAS bf16 moves 3.0 TB/s; the GEMV converts each byte once in
+registers (E4M3 -> fp32 is exact) and keeps per-thread partial sums. sm_90.
 """
 
 from __future__ import annotations
@@ -116,6 +120,59 @@ def _fp8_gemm_kernel(
             tl.atomic_xchg(lock_ptr + pid, 0)
 
 
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, ws_ptr, lock_ptr,  #
+    N, K, stride_wn,  #
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,  #
+):
+    """out[n] = scale * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K: partial sums
+    [BLOCK_N, BLOCK_K] per thread, one reduction at the end, split partials summed in split order by the
+    last program to finish (as `_fp8_gemm_kernel`)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < N
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        mask_k = cols < k_end
+        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0)
+        acc += b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x[None, :]
+    part = tl.sum(acc, axis=1) * tl.load(scale_ptr)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(ws_ptr + pid_k * N + rows, part, mask=mask_n)
+        tl.debug_barrier()
+        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in range(SPLIT_K):
+                total += tl.load(ws_ptr + i * N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+def _fp8_gemv(x: torch.Tensor, w: FP8Weight, out: torch.Tensor) -> None:
+    """`_fp8_gemv_kernel` for one row: x `[1, K]`, out `[1, N]` (unit strides)."""
+    n, k = w.shape
+    block_n, block_k = (16, 32) if interpreting() else (16, 256)
+    tiles = triton.cdiv(n, block_n)
+    split = choose_split_k(tiles, k, block_k, num_sms(x.device))
+    ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    locks = split_k_locks(x.device, tiles) if split > 1 else out
+    _fp8_gemv_kernel[(tiles, split)](
+        x, w.data.view(torch.uint8), w.scale, out, ws, locks, n, k, w.data.stride(0),  #
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4,  #
+    )
+
+
 def fp8_dequantize(w: FP8Weight, row_start: int = 0, row_end: int | None = None) -> torch.Tensor:
     """Rows `[row_start, row_end)` of W as bf16 `[rows, K]` (E4M3 * scale in fp32, rounded once)."""
     n, k = w.shape
@@ -133,8 +190,8 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """`x [..., K]` bf16 times FP8 `W [N, K]` transposed -> `[..., N]` bf16 (fp32 accumulation).
 
-    Above FUSED_MAX_M rows: bf16 dequantization in one pass, then cuBLAS. `out` and `config` as in
-    `nvfp4_gemm`.
+    Above FUSED_MAX_M rows: bf16 dequantization in one pass, then cuBLAS; one row: the CUDA-core GEMV
+    (both only without a `config`). `out` and `config` as in `nvfp4_gemm`.
     """
     n, k = w.shape
     if x.shape[-1] != k:
@@ -154,6 +211,9 @@ def fp8_gemm(
         return out.reshape(*x.shape[:-1], n)
     if config is None and m > FUSED_MAX_M:
         dequant_matmul(x2, lambda r0, r1: fp8_dequantize(w, r0, r1), n, out)
+        return out.reshape(*x.shape[:-1], n)
+    if config is None and m == 1:
+        _fp8_gemv(x2, w, out)
         return out.reshape(*x.shape[:-1], n)
     cfg = config or _fp8_gemm_configs(m, n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

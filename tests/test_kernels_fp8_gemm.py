@@ -36,6 +36,22 @@ def test_fused_matches_reference_small(m, n, k, split):
     _check(out, fp8_gemm_ref(x, w))
 
 
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (40, 300), (16, 1024)])  # one split; 2 (ragged K); 4
+def test_one_row_takes_the_gemv(monkeypatch, n, k):
+    """A single row (decode) runs the CUDA-core GEMV, whole or split over K, twice (split counters reset)."""
+    from batchinfer.kernels import fp8_gemm as mod
+
+    calls = []
+    real = mod._fp8_gemv
+    monkeypatch.setattr(mod, "_fp8_gemv", lambda *a: calls.append(1) or real(*a))
+    for seed in (n + k, n + k + 1):
+        x, w = _case(1, n, k, seed=seed)
+        out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        fp8_gemm(x, w, out=out)
+        _check(out, fp8_gemm_ref(x, w))
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize(("m", "n", "k"), [(17, 40, 96), (33, 70, 64)])
 def test_dequant_path_matches_reference(m, n, k):
     x, w = _case(m, n, k, seed=m + n)
