@@ -33,16 +33,21 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 def worker_argv(job_dir: Path) -> list[str]:
     """This installation's `batchinfer run --output DIR`: the resumable runner every executor starts. The
-    console script next to this Python, else the one on PATH, else this Python importing batchinfer from
-    where this process did (a checkout on PYTHONPATH, an install without scripts): the worker then runs
-    the same code whatever its working directory or environment (a Slurm task started from elsewhere)."""
+    console script next to this Python, else the one on PATH, else this Python importing the batchinfer
+    this process runs (an install without scripts, or a checkout on PYTHONPATH whose `batchinfer/` links
+    `kernels`, `jobs` and `schemas` in): its folder goes first on the worker's path only where the worker
+    would find none or another one (its working directory, or a Slurm task's environment, can differ)."""
     exe = Path(sys.executable).with_name("batchinfer")
     if not exe.exists():
         found = shutil.which("batchinfer")
         if found is None:
-            root = str(Path(batchinfer.__file__).resolve().parents[1])
-            boot = (f"import sys; sys.path.insert(0, {root!r}); "
-                    "from batchinfer.cli import main; main('batchinfer')")
+            init = Path(batchinfer.__file__).resolve()
+            boot = (
+                "import importlib.util, os, sys; s = importlib.util.find_spec('batchinfer'); "
+                f"s is not None and os.path.realpath(s.origin) == {str(init)!r} "
+                f"or sys.path.insert(0, {str(init.parents[1])!r}); "
+                "from batchinfer.cli import main; main('batchinfer')"
+            )
             return [str(Path(sys.executable).absolute()), "-c", boot, "run", "--output", str(job_dir)]
         exe = Path(found)
     return [str(exe.absolute()), "run", "--output", str(job_dir)]

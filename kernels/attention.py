@@ -9,8 +9,8 @@ interleaved `[T, H, 2 * Dh]` output):
   decode cache, each chunk after its slot's first `past[n]` tokens.
 - decode KV cache, one slot per running sequence: `k_cache, v_cache [slots, Hkv, max_len, Dh]` (bf16),
   so one (slot, kv head) is a contiguous `[max_len, Dh]` run and a split streams it with wide loads.
-  Token `p` of the sequence in slot `s` sits at `[s, :, p]`; the engine writes new keys with
-  `k_cache[slot_ids, :, positions] = k` and then calls `decode_attention` with `seq_lens` counting them.
+  Token `p` of the sequence in slot `s` sits at `[s, :, p]`; the engine writes new keys and values with
+  `kv_cache.store_kv` and then calls `decode_attention` with `seq_lens` counting them.
   Rows with `seq_len == 0` (CUDA-graph padding) read nothing and return zeros.
 - FP8 cache (`kv_cache.py`): the same caches in `float8_e4m3fn` with fp32 scales `[slots, Hkv, max_len]`,
   one a (slot, head, position) row; the kernels convert the codes to bf16 (exact), multiply each score
@@ -280,13 +280,14 @@ def _cache_scales(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> tuple[bool, torch.Tensor, torch.Tensor]:
     """(FP8?, k scales, v scales) of a cache pair: an FP8 cache needs contiguous fp32 scales
-    `[slots, Hkv, max_len]` (one layout for both), any other none (k_cache stands in, unused)."""
+    `[slots, Hkv, max_len]` (one layout for both), a bf16 one none (k_cache stands in, unused)."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"k_cache/v_cache: expected one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"k_cache/v_cache: expected both bfloat16 or both float8_e4m3fn, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
     if not fp8:
         if k_scale is not None or v_scale is not None:
-            raise ValueError(f"k_scale/v_scale: a {k_cache.dtype} cache has no scales")
+            raise ValueError("k_scale/v_scale: a bf16 cache has no scales")
         return False, k_cache, k_cache
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if t is None or t.shape != k_cache.shape[:3] or t.dtype != torch.float32 or not t.is_contiguous():

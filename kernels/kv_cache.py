@@ -95,9 +95,13 @@ def store_kv(
         raise ValueError("store_kv: an FP8 cache needs its scales, a bf16 cache has none")
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None and (scale.shape != k_cache.shape[:3] or scale.dtype != torch.float32
-                                  or scale.stride() != k_scale.stride()):  # type: ignore[union-attr]
-            raise ValueError(f"store_kv: {name} {tuple(scale.shape)} {scale.dtype}, expected "
-                             f"{tuple(k_cache.shape[:3])} float32 (both scales in one layout)")
+                                  or not scale.is_contiguous() or scale.device != k_cache.device):
+            raise ValueError(f"store_kv: {name} {tuple(scale.shape)} {scale.dtype}, expected contiguous "
+                             f"{tuple(k_cache.shape[:3])} float32 on {k_cache.device}")
+    for name, idx in (("slots", slots), ("positions", positions)):
+        if idx.shape != (t,) or idx.device != k_cache.device or idx.is_floating_point():
+            raise ValueError(f"store_kv: {name} {idx.dtype} {tuple(idx.shape)} on {idx.device}, expected "
+                             f"integer [{t}] on {k_cache.device}")
     if t == 0:
         return
     if not k.is_cuda:  # the interpreter's E4M3 cast is not PyTorch's: quantize and scatter with torch

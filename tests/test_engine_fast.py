@@ -311,6 +311,9 @@ def test_kv_cache_engine_argument_is_checked():
         load_engine(DEMO, device="cpu", engine="fast", kv_cache="int8")
     with pytest.raises(ConfigError, match="kv_cache=fp8 applies to the fast engine"):
         load_engine(DEMO, device="cpu", engine="reference", kv_cache="fp8")
+    engine = load_engine(DEMO, device="cpu", engine="fast", kv_cache="fp8", deltanet_state="bfloat16")
+    assert engine.describe()["quantization"].endswith(", KV cache fp8, DeltaNet state bfloat16")
+    assert engine.generator.model.kv_cache == torch.float8_e4m3fn
 
 
 def test_fast_engine_refuses_a_cpu_without_the_interpreter(monkeypatch):

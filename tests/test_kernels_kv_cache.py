@@ -61,6 +61,10 @@ def test_store_rejects_mismatched_caches():
         store_kv(x, x, small, small, None, None, idx, idx)
     with pytest.raises(ValueError, match="one dtype, shape and layout"):
         store_kv(x, x, cache, _caches(1, 2, 4, 32, fp8=False)[0], scale, scale, idx, idx)
+    with pytest.raises(ValueError, match=r"positions torch.int64 \(1,\) .* expected integer \[2\]"):
+        store_kv(x, x, cache, cache, scale, scale, idx, idx[:1])
+    with pytest.raises(ValueError, match="expected contiguous"):
+        store_kv(x, x, cache, cache, scale, scale.transpose(1, 2).contiguous().transpose(1, 2), idx, idx)
 
 
 def test_store_kernel_on_the_interpreter():

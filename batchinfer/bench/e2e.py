@@ -98,7 +98,7 @@ class FastTokenEngine:
             "dtype": "bfloat16",
             "max_slots": str(g.max_slots),
             "deltanet_state": str(g.model.deltanet_state).removeprefix("torch."),
-            "kv_cache": str(g.model.kv_cache).removeprefix("torch."),
+            "kv_cache": "fp8" if g.model.kv_cache == torch.float8_e4m3fn else "bfloat16",
             "cuda_graphs": str(g.cuda_graphs),
             **{k: str(v) for k, v in g.stats.items()},
         }

@@ -47,11 +47,11 @@ def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device, fp8: bool = Fa
         )
         for _ in range(sets)
     ]
-    scales: dict = {}
-    if fp8:
-        ones = torch.ones(batch, Hkv, L, device=dev)
+    scales: list[dict] = [{}] * sets
+    if fp8:  # scales rotate with their caches, so they are not read from L2
         fp8_caches = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in caches]
-        scales = {"k_scale": ones, "v_scale": ones}
+        scales = [{n: torch.ones(batch, Hkv, L, device=dev) for n in ("k_scale", "v_scale")}
+                  for _ in range(sets)]
     qs = [torch.randn(batch, H, Dh, device=dev, dtype=BF16) for _ in range(sets)]
     gate = torch.randn(batch, H, Dh, device=dev, dtype=BF16) if cfg.attn_output_gate else None
     slots = torch.arange(batch, device=dev)
@@ -65,7 +65,7 @@ def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device, fp8: bool = Fa
 
     ours = fp8_caches if fp8 else caches
     return Timed(
-        run=lambda i: decode_attention(qs[i], *ours[i], slots, lens, max_seqlen=L, gate=gate, **scales),
+        run=lambda i: decode_attention(qs[i], *ours[i], slots, lens, max_seqlen=L, gate=gate, **scales[i]),
         n_sets=sets,
         bytes=kv_bytes + 2 * 2 * batch * H * Dh,
         flops=4 * batch * H * L * Dh,

@@ -1,5 +1,5 @@
-"""Compile the attention, DeltaNet, MoE-alignment and small-op kernels for sm_90 on any machine (no GPU
-needed) and report registers, spilled bytes, shared memory and the instruction mix of each.
+"""Compile the attention, KV-store, DeltaNet, MoE, FP8 GEMV and small-op kernels for sm_90 on any machine
+(no GPU needed) and report registers, spilled bytes, shared memory and the instruction mix of each.
 
 Each kernel is reached through its real launcher at its production config: the launcher runs on CPU
 tensors with the Triton launch replaced by a capture, so signature, constexprs, warps and stages are
@@ -29,13 +29,19 @@ from triton.compiler import ASTSource
 from batchinfer.kernels import (
     attention,
     causal_conv1d,
+    fp8_gemm,
     gdn,
     gdn_chunk,
+    kv_cache,
+    moe,
     moe_align,
+    moe_tc,
     qk_norm_rope,
     sampling,
     small_ops,
 )
+from batchinfer.kernels.moe_weights import MoEWeights
+from batchinfer.kernels.nvfp4 import quantize_fp8
 
 _PTR_TYPES = {
     torch.bfloat16: "*bf16",
@@ -53,12 +59,13 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     """Run `launch()` with every kernel launch of our modules recorded instead of made; returns the
     (args, kwargs) of `kernel`'s launch."""
     seen: dict[str, tuple[tuple, dict]] = {}
-    kernels = [
-        k
-        for mod in (attention, causal_conv1d, gdn, gdn_chunk, moe_align, qk_norm_rope, sampling, small_ops)
+    kernels = {  # by identity: modules import each other's jitted helpers
+        id(k): k
+        for mod in (attention, causal_conv1d, fp8_gemm, gdn, gdn_chunk, kv_cache, moe, moe_align, moe_tc,
+                    qk_norm_rope, sampling, small_ops)
         for k in vars(mod).values()
         if isinstance(k, triton.JITFunction)
-    ]
+    }.values()
     for k in kernels:
         k.run = lambda *args, grid, warmup, _k=k, **kwargs: seen.setdefault(_k.__name__, (args, kwargs))
     try:
@@ -218,6 +225,43 @@ def _small_op_launches() -> Iterator[tuple]:
         yield f"V={V}", kernel, draw
 
 
+def _kv_store_launches(Hkv: int, Dh: int) -> Iterator[tuple]:
+    T, S, L = 64, 8, 128  # `store_kv` quantizes on the CPU itself, so its kernel is launched directly here
+    k, v = _t(T, Hkv, Dh), _t(T, Hkv, 2 * Dh)[..., :Dh]
+    kc = torch.zeros(S, Hkv, L, Dh, dtype=torch.float8_e4m3fn)
+    ks = torch.ones(S, Hkv, L)
+    idx = torch.arange(T) % S
+    store = lambda: kv_cache._store_kv_kernel[(T, Hkv)](
+        k, v, kc, kc, ks, ks, idx, idx, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), HEAD_DIM=Dh, FP8=True,
+        num_warps=1 if Dh <= 128 else 2,
+    )
+    yield f"Dh={Dh} FP8", kv_cache._store_kv_kernel, store
+
+
+def _moe_launches() -> Iterator[tuple]:
+    """Qwen3.6's experts in the engine's paired layout (257 with the shared one, D 2048, I 512)."""
+    E, D, I = 257, 2048, 512
+    u8 = lambda *shape: torch.zeros(*shape, dtype=torch.uint8)
+    w = MoEWeights(_t(E, D), u8(E, 2 * I, D // 2), u8(E, D, I // 2), u8(E, 2 * I, D // 16), u8(E, D, I // 16),
+                   torch.ones(E, 2), torch.ones(E), E - 1, True, paired=True)
+    ids = lambda t: (torch.arange(t * 9) % E).int().view(t, 9)
+    run = lambda t, cfg: moe.moe_experts(_t(t, D), ids(t), torch.rand(t, 9), w, config=cfg)
+    decode = lambda: run(8, moe._decode_config(72))
+    yield "T=8 paired", moe._moe_decode_gate_up_kernel, decode
+    yield "T=8 paired", moe._moe_decode_down_kernel, decode
+    tc = moe.MoETCConfig(16, moe.TC_TILE, moe.TC_TILE)
+    yield "T=32 gate_up, BLOCK_M 16", moe_tc._moe_tc_kernel, lambda: run(32, tc)
+    out = torch.empty(2 * I, D, dtype=torch.bfloat16)
+    dequant = lambda: moe_tc.dequantize_paired_rows(w.w13[0], w.w13_scale[0], w.w13_tensor_scale[0], I, out)
+    yield "one expert's gate_up", moe_tc._dequant_paired_kernel, dequant
+
+
+def _fp8_gemv_launches() -> Iterator[tuple]:
+    w, x = quantize_fp8(torch.randn(8192, 2048) * 0.02), _t(1, 2048)  # q_proj, one row
+    yield "N=8192 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemm(x, w)
+
+
 def _moe_align_launches() -> Iterator[tuple]:
     ids = torch.randint(0, 257, (2048, 9), dtype=torch.int32)  # Qwen3.6 prefill: 257 experts, 9 slots
     align = lambda: moe_align.moe_align(ids, 257, 64)
@@ -229,8 +273,12 @@ def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     """(case, kernel, launch) at both models' shapes, production configs."""
     yield from _attention_launches(16, 2, 256, 64, True)
     yield from _attention_launches(32, 4, 128, 128, False)
+    yield from _kv_store_launches(2, 256)
+    yield from _kv_store_launches(4, 128)
     yield from _gdn_launches()
     yield from _moe_align_launches()
+    yield from _moe_launches()
+    yield from _fp8_gemv_launches()
     yield from _small_op_launches()
 
 

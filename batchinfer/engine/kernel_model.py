@@ -235,8 +235,9 @@ class KernelModel:
             kv = (slots, c.num_key_value_heads, max_len, c.head_dim)
             state.k.append(torch.zeros(kv, dtype=self.kv_cache, device=dev) if attn else None)
             state.v.append(torch.zeros(kv, dtype=self.kv_cache, device=dev) if attn else None)
-            state.k_scale.append(torch.ones(kv[:3], device=dev) if attn and fp8 else None)
-            state.v_scale.append(torch.ones(kv[:3], device=dev) if attn and fp8 else None)
+            scales = attn and fp8
+            state.k_scale.append(torch.ones(kv[:3], dtype=torch.float32, device=dev) if scales else None)
+            state.v_scale.append(torch.ones(kv[:3], dtype=torch.float32, device=dev) if scales else None)
             conv = (slots, c.linear_conv_kernel_dim - 1, self._conv_dim)
             state.conv.append(None if attn else torch.zeros(conv, dtype=torch.bfloat16, device=dev))
             rec = (slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)

@@ -135,6 +135,10 @@ def load_engine(
         )
         generator = FastGenerator(kernel_model, max_slots=max_slots)
         del weights
+        # the state options change outputs too: recorded with the weights' format
+        extras = [f"KV cache {kv_cache}"] * (kv_cache != "bfloat16")
+        extras += [f"DeltaNet state {deltanet_state}"] * (deltanet_state != "float32")
+        quantization = ", ".join([quantization, *extras])
         log.info(
             "loaded %s (%s, %s) on %s for the fast engine in %.1f s",
             path,
