@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
-from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc
+from batchinfer.kernels.moe_tc import MoETCConfig, byte_k, k_byte, moe_experts_tc
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import (
@@ -310,9 +310,7 @@ def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAI
     if X_PMAJOR:
         offs = P * G + groups
     elif PAIRED:
-        b: tl.constexpr = P // 2
-        k: tl.constexpr = 8 * ((b % 4) // 2) + 2 * (b // 4) + b % 2 + 16 * (P % 2)
-        offs = (groups // 2) * 32 + (groups % 2) * 4 + k
+        offs = (groups // 2) * 32 + (groups % 2) * 4 + (byte_k(P // 2) + 16 * (P % 2))
     else:
         offs = groups * 16 + P
     return tl.load(x_row + offs, mask=mask_g, other=0.0).to(tl.float32)[None, :]
@@ -446,10 +444,9 @@ def _moe_decode_gate_up_kernel(
         gate = gate * (tl.load(ts_ptr + e * 2) * 4194304.0)
         up = up * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
         act = bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
-        if PAIRED:  # column n = 32 q + 16 grp + k sits in byte p = 4 ((k % 8) // 2) + 2 (k // 8) + k % 2
-            # of block q (`moe_tc.BYTE_K` inverted): code P = 2 (p % 8) + grp of int64 g = 2 q + p // 8
-            k = rows % 16
-            p = 4 * ((k % 8) // 2) + 2 * (k // 8) + k % 2
+        if PAIRED:  # column n = 32 q + 16 grp + k sits in byte p = k_byte(k) of block q: code
+            # P = 2 (p % 8) + grp of int64 g = 2 q + p // 8
+            p = k_byte(rows % 16)
             cols = (2 * (p % 8) + (rows % 32) // 16) * (N // 16) + 2 * (rows // 32) + p // 8
         else:
             cols = (rows % 16) * (N // 16) + rows // 16

@@ -16,7 +16,7 @@ nibble and B's code j in its high nibble, and the 16 bytes are ordered so that t
 operand needs (K = 2t, 2t+1, 2t+8, 2t+9 for t = 0..3) are adjacent: byte `4 t + 2 h + c` holds K = `8 h +
 2 t + c` (`BYTE_K`). A step loads 16 bytes a row; the kernel views them back in K order (a reshape and
 permute that only relabels a thread's registers) and decodes four at a time, so shared memory is read
-32 bits at a time (sm_90: 11 shared loads an iteration instead of 27). The low nibbles are group A (one
+32 bits at a time (sm_90: 15 shared loads an iteration instead of 27). The low nibbles are group A (one
 MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]). A loop iteration covers
 STEPS such blocks and loads a row's 2 STEPS block scales in one load, which Triton pipelines by cp.async
 with the codes (one-byte scale loads cannot be, and stalled the warps on L1: ncu on the H200, session 6).
@@ -58,8 +58,20 @@ class MoETCConfig:
     down: tuple[int, int, int, int]
 
 
-# The K index (0-15 within a scale group) held by each byte of a 16-byte block in the paired layout.
-BYTE_K = [8 * ((p % 4) // 2) + 2 * (p // 4) + p % 2 for p in range(16)]
+@triton.jit
+def byte_k(p):
+    """The K index (0-15 within a scale group) that byte p (0-15) of a 16-byte block holds in the paired
+    layout: byte 4 t + 2 h + c holds K = 8 h + 2 t + c, so a thread's four operand bytes are adjacent."""
+    return 8 * ((p % 4) // 2) + 2 * (p // 4) + p % 2
+
+
+@triton.jit
+def k_byte(k):
+    """The byte of a 16-byte block that holds K index k (`byte_k` inverted)."""
+    return 4 * ((k % 8) // 2) + 2 * (k // 8) + k % 2
+
+
+BYTE_K = [byte_k.fn(p) for p in range(16)]  # the same on the host (`pair_groups`, tests)
 
 
 def pair_groups(packed: torch.Tensor) -> torch.Tensor:
@@ -236,7 +248,7 @@ def _dequant_paired_kernel(
     b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask, other=0).to(tl.int32)
     s_ptrs = s_ptr + rows[:, None] * stride_sn + 2 * pairs[None, :]
     ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None, None] * 4194304.0
-    kj = 8 * ((j % 4) // 2) + 2 * (j // 4) + j % 2  # the K index byte j holds (`BYTE_K`)
+    kj = byte_k(j)
     for hi in tl.static_range(2):  # group A (low nibbles), then B
         sf = e4m3_to_f32(tl.load(s_ptrs + hi, mask=mask_rp, other=0))
         val = bf16_rne(e2m1_to_f32(b, hi == 1) * sf[:, :, None] * ts, INTERPRET)
