@@ -65,6 +65,26 @@ def _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias):
 
 
 @triton.jit
+def _chunk_rows(cu_ptr, BT: tl.constexpr):
+    """A chunk-parallel program's rows: program (sequence, chunk, v-head) -> (sequence, v-head, whether
+    the chunk exists, row index [BT], token index t [BT], which rows exist)."""
+    seq = tl.program_id(0).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    c0 = tl.load(cu_ptr + seq).to(tl.int64) + tl.program_id(1) * BT
+    rows = tl.arange(0, BT)
+    t = c0 + rows
+    return seq, tl.program_id(2), c0 < end, rows, t, t < end
+
+
+@triton.jit
+def _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt):
+    """`_gates` of one chunk of v-head h, its per-head constants loaded here."""
+    neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    return _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias)
+
+
+@triton.jit
 def _tile_mask(row_ok, col_ok, PAD: tl.constexpr):
     """Mask of a `[rows, head dim]` tile: the rows alone on the power-of-two path, the padded head-dim
     lanes too when the head dim is padded up to its tile (their zeros leave every dot exact)."""
@@ -96,24 +116,15 @@ def _chunk_prep_kernel(
     and the chunk's decayed causal scores [exp(G_t - G_s) q_t . k_s]_{s <= t} `[BT, BT]` (computed here
     once, not in each v-tile program of the sequential kernel)."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
-    seq = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(2)
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    c0 = start + tl.program_id(1) * BT
-    if c0 < end:
-        rows = tl.arange(0, BT)
+    _, h, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
+    if live:
         offs_k = tl.arange(0, BLOCK_K)
         offs_v = tl.arange(0, BLOCK_DV)
         k_ok = offs_k < DK
         v_ok = offs_v < DV
-        t = c0 + rows
-        ok = t < end
         kd = _l2_rows(k_ptr + (h // HV_PER_K) * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD,
                       INTERPRET)
-        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        beta, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a,
-                         tl.load(dt_bias_ptr + h).to(tl.float32))
+        beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
         lower = rows[:, None] > rows[None, :]
         A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
         A = A * _dot(kd, tl.trans(kd), INTERPRET)
@@ -217,24 +228,15 @@ def _chunk_out_kernel(
     """Per (sequence, chunk, v-head), all at once: O = exp(G) * (Q S) + scores U, with S the state
     entering the chunk and U its deltas, both from the state launch."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
-    seq = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(2)
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    c0 = start + tl.program_id(1) * BT
-    if c0 < end:
-        rows = tl.arange(0, BT)
+    seq, h, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
+    if live:
         offs_k = tl.arange(0, BLOCK_K)
         offs_v = tl.arange(0, BLOCK_DV)
         k_ok = offs_k < DK
         v_ok = offs_v < DV
-        t = c0 + rows
-        ok = t < end
         qd = _l2_rows(q_ptr + (h // HV_PER_K) * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD,
                       INTERPRET)
-        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        _, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a,
-                         tl.load(dt_bias_ptr + h).to(tl.float32))
+        _, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
         chunk = tl.load(base_ptr + seq).to(tl.int64) + tl.program_id(1)
         s_ptrs = h_ptr + chunk * stride_hc + h * stride_hh + offs_k[:, None] * stride_hk + offs_v[None, :]
         Sd = tl.load(s_ptrs, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
