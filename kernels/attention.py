@@ -13,8 +13,9 @@ interleaved `[T, H, 2 * Dh]` output):
   `kv_cache.store_kv` and then calls `decode_attention` with `seq_lens` counting them.
   Rows with `seq_len == 0` (CUDA-graph padding) read nothing and return zeros.
 - FP8 cache (`kv_cache.py`): the same caches in `float8_e4m3fn` with fp32 scales `[slots, Hkv, max_len]`,
-  one a (slot, head, position) row; the kernels convert the codes to bf16 (exact), multiply each score
-  by its key's scale and each probability by its value's scale before the PV dot.
+  one a (slot, head, position) row; the kernels run the dots in fp16 (E4M3 and bf16 queries convert
+  exactly; queries after q_norm sit far inside fp16's range), multiply each score by its key's scale and
+  each probability by its value's scale (relative to the tile's largest) before the PV dot.
 Numerics: fp32 accumulation and softmax (exp2 with the scale folded in), bf16 tensor-core dots; the
 output gate of Qwen3.5 (`o * sigmoid(gate)`) is fused into the epilogue. Expected error vs `*_ref`:
 ~3e-3 relative (bf16 probabilities into the PV dot). GPU: sm_90, Triton's wgmma path; GQA group of 8
@@ -61,13 +62,17 @@ def _prefill_configs(head_dim: int, fp8: bool = False) -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
-def _decode_configs(head_dim: int) -> dict[str, int]:
-    """Split-KV tiles: no spills, ~140 registers, 3-stage cp.async pipeline (sm_90 compile report)."""
+def _decode_configs(head_dim: int, fp8: bool = False) -> dict[str, int]:
+    """Split-KV tiles: no spills, ~140 registers (FP8: 200-230), 3-stage cp.async pipeline (sm_90 compile
+    report)."""
     if _interpreted():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MIN_SPLIT": 32}
     # MIN_SPLIT 64: at batch 1-8 a row's KV is spread over up to 64 splits (measured 2026-11-30 with 256:
     # 15% of copy bandwidth at batch 1, 61% at 8); from batch 32 the 264-program rule decides alone.
-    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64}
+    # FP8 tiles: the best of BLOCK_N {32, 64} x warps {4, 8} x stages {2, 3} at batch 32 over 2,048
+    # tokens (2026-11-30): 44.4 us at Dh=256 (default 32: 50.6), 39.9 at Dh=128 (default 64: 49.3).
+    block_n = 32 if (head_dim <= 128) == fp8 else 64  # bf16: 64 at Dh=128, 32 at 256; FP8 the reverse
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64}
 
 
 @triton.jit
@@ -82,6 +87,18 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _pv_fp8(acc, alpha, p, v, v_scale, INTERPRET: tl.constexpr):
+    """acc * alpha + (p * v_scale) @ v for an FP8 V tile, as an fp16 product: E4M3 -> fp16 is one
+    conversion a pair where bf16 needs three, and it left the bf16 version slower than a bf16 cache.
+    p * v_scale is taken relative to the tile's largest scale, so it lies in [0, 1] where fp16 keeps 11
+    bits down to 6e-5; the largest scale goes back on in fp32."""
+    top = tl.max(v_scale, axis=0)
+    top = tl.where(top > 0.0, top, 1.0)
+    p = (p * (v_scale / top)[None, :]).to(tl.float16)
+    return _dot(p, v.to(tl.float16), acc * (alpha / top)[:, None], INTERPRET) * top
+
+
+@triton.jit
 def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, offs_m, offs_n, n_start, seqlen, qk_scale,
                 stride_kt, stride_vt, MASKED: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr):
     """One K/V tile of online softmax: k_ptrs `[Dh, BLOCK_N]`, v_ptrs `[BLOCK_N, Dh]` at token n_start
@@ -93,7 +110,7 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, offs_m, offs
     else:
         k = tl.load(k_ptrs + n_start * stride_kt)
     if FP8:
-        k = k.to(tl.bfloat16)
+        k = k.to(tl.float16)
     s = _dot(q, k, None, INTERPRET) * qk_scale
     if FP8:
         s = s * tl.load(ks_ptrs + n_start, mask=cols < seqlen, other=0.0)[None, :]
@@ -108,9 +125,9 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, offs_m, offs
     else:
         v = tl.load(v_ptrs + n_start * stride_vt)
     if FP8:
-        v = v.to(tl.bfloat16)
-        p = p * tl.load(vs_ptrs + n_start, mask=cols < seqlen, other=0.0)[None, :]
-    acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+        acc = _pv_fp8(acc, alpha, p, v, tl.load(vs_ptrs + n_start, mask=cols < seqlen, other=0.0), INTERPRET)
+    else:
+        acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
     return acc, m_new, l_i
 
 
@@ -142,6 +159,8 @@ def _prefill_attn_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < seqlen
     q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok)
+    if FP8:
+        q = q.to(tl.float16)
     if CACHED:  # positions and key counts include the slot's first `past` tokens
         past = tl.load(past_ptr + seq)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
@@ -202,6 +221,8 @@ def _decode_attn_kernel(
     g_ok = offs_g < GROUP
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)
+    if FP8:
+        q = q.to(tl.float16)
     k_ptrs = kc_ptr + slot * stride_kcs + kvh * stride_kch + offs_n[None, :] * stride_kct + offs_d[:, None]
     v_ptrs = vc_ptr + slot * stride_vcs + kvh * stride_vch + offs_n[:, None] * stride_vct + offs_d[None, :]
     ks_ptrs = ks_ptr + slot * stride_ss + kvh * stride_sh + offs_n
@@ -213,7 +234,7 @@ def _decode_attn_kernel(
         n_ok = n_start + offs_n < hi
         k = tl.load(k_ptrs + n_start * stride_kct, mask=n_ok[None, :], other=0.0)
         if FP8:
-            k = k.to(tl.bfloat16)
+            k = k.to(tl.float16)
         s = _dot(q, k, None, INTERPRET) * qk_scale
         if FP8:
             s = s * tl.load(ks_ptrs + n_start, mask=n_ok, other=0.0)[None, :]
@@ -224,9 +245,9 @@ def _decode_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptrs + n_start * stride_vct, mask=n_ok[:, None], other=0.0)
         if FP8:
-            v = v.to(tl.bfloat16)
-            p = p * tl.load(vs_ptrs + n_start, mask=n_ok, other=0.0)[None, :]
-        acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+            acc = _pv_fp8(acc, alpha, p, v, tl.load(vs_ptrs + n_start, mask=n_ok, other=0.0), INTERPRET)
+        else:
+            acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
         m_i = m_new
     has = l_i > 0.0  # an empty split (or a padded row) contributes nothing
     o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -396,7 +417,7 @@ def decode_attention(
     if H % Hkv:
         raise ValueError(f"q: {H} heads is not a multiple of the cache's {Hkv} kv heads")
     fp8, k_sc, v_sc = _cache_scales(k_cache, v_cache, k_scale, v_scale)
-    cfg = dict(config or _decode_configs(Dh))
+    cfg = dict(config or _decode_configs(Dh, fp8))
     min_split = cfg.pop("MIN_SPLIT")
     max_seqlen = max_len if max_seqlen is None else max_seqlen
     # Enough (row, kv head, split) programs to fill 132 SMs twice, but no split shorter than min_split.

@@ -58,7 +58,8 @@ def _store_kv_kernel(
 def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x [..., Dh]` -> (E4M3 codes `[..., Dh]`, fp32 scales `[...]`): one scale per row, max|x| / 448."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # a true division: CUDA multiplies by 1/448 for a scalar
     return (xf / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
