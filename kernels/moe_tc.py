@@ -18,7 +18,9 @@ operand needs (K = 2t, 2t+1, 2t+8, 2t+9 for t = 0..3) are adjacent: byte `4 t + 
 permute that only relabels a thread's registers) and decodes four at a time, so shared memory is read
 32 bits at a time (sm_90: 15 shared loads an iteration instead of 27). The low nibbles are group A (one
 MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]). A loop iteration covers
-STEPS such blocks and loads a row's 2 STEPS block scales in one load, which Triton pipelines by cp.async
+STEPS such blocks and loads a row's 16 STEPS code bytes in one load (STEPS 2: a whole 32-byte sector, by
+16-byte cp.async; as two 16-byte loads each used half a sector, and ncu counted 61% of the sectors the
+kernel fetched as excess) and its 2 STEPS block scales in another, which Triton pipelines by cp.async
 with the codes (one-byte scale loads cannot be, and stalled the warps on L1: ncu on the H200, session 6).
 
 Decode (`_weight`, inline PTX on pairs of bytes): the code's sign goes to bit 15 and its three magnitude
@@ -139,10 +141,20 @@ def _iteration_scales(s, BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _pair_step(w_ptrs, sa, sb, mask_n, xa, xb, acc, INTERPRET: tl.constexpr):
-    """acc + W[:, k : k+32] @ x^T for one 32-code block: 16 bytes a row, two K=16 MMAs; sa, sb [BN] the
-    block's two scales (fp32 from `_scale`)."""
-    b = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
+def _iteration_blocks(b, BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
+    """A row's 16 STEPS code bytes of one iteration [BN, 16 STEPS] -> its blocks 0 and 1 (block 0 twice
+    when STEPS is 1), each [BN, 16]."""
+    if STEPS == 1:
+        b0, b1 = b, b
+    else:
+        b0, b1 = tl.split(tl.permute(tl.reshape(b, (BLOCK_N, 2, 16)), (0, 2, 1)))
+    return b0, b1
+
+
+@triton.jit
+def _pair_step(b, sa, sb, xa, xb, acc, INTERPRET: tl.constexpr):
+    """acc + W[:, k : k+32] @ x^T for one 32-code block: b [BN, 16] its bytes, two K=16 MMAs; sa, sb [BN]
+    the block's two scales (fp32 from `_scale`)."""
     BN: tl.constexpr = b.shape[0]
     # byte 4 t + 2 h + c holds K = 8 h + 2 t + c (`BYTE_K`): back to K order, within each thread's registers
     b = tl.reshape(tl.permute(tl.reshape(b, (BN, 4, 2, 2)), (0, 2, 1, 3)), (BN, 16)).to(tl.int32)
@@ -175,7 +187,7 @@ def _moe_tc_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     j = tl.arange(0, 16)
-    w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + j[None, :]
+    w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16 * STEPS)[None, :]
     # an iteration's 2 STEPS block scales of a row are contiguous: one load a row (pipelined by cp.async),
     # not 2 STEPS byte loads that stall on L1 (ncu, H200)
     s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 2 * STEPS)[None, :]
@@ -185,20 +197,24 @@ def _moe_tc_kernel(
     for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
         sc = _iteration_scales(_scale(tl.load(s_ptrs + k0 // 16, mask=mask_n[:, None], other=0)), BLOCK_N,
                                STEPS)
+        bw = _iteration_blocks(tl.load(w_ptrs + k0 // 2, mask=mask_n[:, None], other=0), BLOCK_N, STEPS)
         sc_up = sc
+        bw_up = bw
         if GATE_UP:
             sc_up = _iteration_scales(_scale(tl.load(s_ptrs + N * stride_sn + k0 // 16, mask=mask_n[:, None],
                                                      other=0)), BLOCK_N, STEPS)
+            bw_up = _iteration_blocks(
+                tl.load(w_ptrs + N * stride_wn + k0 // 2, mask=mask_n[:, None], other=0), BLOCK_N, STEPS
+            )
         for u in tl.static_range(STEPS):
             k = k0 + 32 * u
             xa = tl.load(x_ptrs + k, mask=valid[None, :], other=0.0)
             xb = tl.load(x_ptrs + k + 16, mask=valid[None, :], other=0.0)
             if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
                 xa, xb = xa.to(tl.float32), xb.to(tl.float32)
-            acc = _pair_step(w_ptrs + k // 2, sc[2 * u], sc[2 * u + 1], mask_n, xa, xb, acc, INTERPRET)
+            acc = _pair_step(bw[u], sc[2 * u], sc[2 * u + 1], xa, xb, acc, INTERPRET)
             if GATE_UP:
-                acc_up = _pair_step(w_ptrs + N * stride_wn + k // 2, sc_up[2 * u], sc_up[2 * u + 1], mask_n,
-                                    xa, xb, acc_up, INTERPRET)
+                acc_up = _pair_step(bw_up[u], sc_up[2 * u], sc_up[2 * u + 1], xa, xb, acc_up, INTERPRET)
     if GATE_UP:
         acc = acc * (tl.load(ts_ptr + e * 2) * 67108864.0)  # tensor scale * 2^26
         acc_up = acc_up * (tl.load(ts_ptr + e * 2 + 1) * 67108864.0)
