@@ -331,7 +331,7 @@ def format_result(result: dict) -> list[str]:
     default="bf16",
     show_default=True,
     help="The ViT's linears in --dtype, or on FP8 weights and activations (batchinfer/sam3/fp8.py): all "
-    "four a block (at real shapes this fails the accuracy lock, docs/PERF_IMAGES.md) or the MLP's only.",
+    "four a block or the MLP's only (at real shapes both fail the accuracy lock, docs/PERF_IMAGES.md).",
 )
 @click.option("--batch-size", default=16, show_default=True, type=int, help="Images per model call.")
 @click.option(
