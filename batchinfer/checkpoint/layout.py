@@ -26,7 +26,8 @@ LINEAR_FIELDS = (
 )
 _FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _SKIPPED = re.compile(r"^(mtp\.|model\.mtp\.|model\.visual\.|visual\.|model\.language_model\.mtp\.)")
-# FP8 KV-cache scales of ModelOpt exports; our KV cache stays in the activation dtype.
+# FP8 KV-cache scales of ModelOpt exports: not used; our FP8 KV cache (`kv_cache=fp8`) sets a scale per
+# token and head as it writes, so it needs no calibrated per-tensor scales.
 _KV_SCALE = re.compile(r"\.(k_scale|v_scale|k_proj\.output_scale|v_proj\.output_scale)$")
 
 
