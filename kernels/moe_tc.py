@@ -22,6 +22,9 @@ STEPS such blocks and loads a row's 16 STEPS code bytes in one load (STEPS 2: a 
 16-byte cp.async; as two 16-byte loads each used half a sector, and ncu counted 61% of the sectors the
 kernel fetched as excess) and its 2 STEPS block scales in another, which Triton pipelines by cp.async
 with the codes (one-byte scale loads cannot be, and stalled the warps on L1: ncu on the H200, session 6).
+Both are split into blocks and scales in registers (`_halves`); in the sm_90 compile, STEPS 4 reads its
+8 scale bytes a row with one `LDS.64` and no copy, while STEPS 2's 4-byte split still goes through
+shared memory (`STS.U16` + 4 `LDS.U16` a matrix an iteration).
 
 Decode (`_weight`, inline PTX on pairs of bytes): the code's sign goes to bit 15 and its three magnitude
 bits to bits 6-8 of a bf16 (code * 2^-126, E2M1's subnormal 0.5 included), times the block scale as a
@@ -52,8 +55,9 @@ from batchinfer.kernels.nvfp4_gemm import bf16_rne, e2m1_to_f32, e4m3_to_f32, in
 @dataclass(frozen=True, slots=True)
 class MoETCConfig:
     """BLOCK_M (tokens a tile, also the alignment), then per GEMM (BLOCK_N, num_warps, num_stages, STEPS):
-    STEPS (1 or 2) 32-code blocks a loop iteration (unrolled), which spreads the loop's fixed cost (scale
-    loads, wgmma fences, addressing) over more codes."""
+    STEPS (1, 2 or 4; fewer where K is not a multiple of 32 STEPS) 32-code blocks a loop iteration
+    (unrolled), which spreads the loop's fixed cost (scale loads, wgmma fences, addressing) over more
+    codes and loads a row's codes and scales in longer runs."""
 
     block_m: int
     gate_up: tuple[int, int, int, int]
@@ -127,28 +131,50 @@ def _weight(b, s, HI: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _iteration_scales(s, BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
-    """A row's 2 STEPS block scales of one iteration [BN, 2 STEPS] (fp32) -> ((A, B) of block 0, (A, B) of
-    block 1 (block 0's again when STEPS is 1)), each [BN] (splits within a thread's registers)."""
-    if STEPS == 1:
-        a0, b0 = tl.split(s)
-        a1, b1 = a0, b0
-    else:
-        a, b = tl.split(tl.reshape(s, (BLOCK_N, STEPS, 2)))
-        a0, a1 = tl.split(a)
-        b0, b1 = tl.split(b)
-    return a0, b0, a1, b1
+def _halves(x):
+    """x [BN, 2 n] -> (x[:, :n], x[:, n:]) within each thread's registers."""
+    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
 
 
 @triton.jit
-def _iteration_blocks(b, BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
-    """A row's 16 STEPS code bytes of one iteration [BN, 16 STEPS] -> its blocks 0 and 1 (block 0 twice
-    when STEPS is 1), each [BN, 16]."""
+def _iteration_scales(s, STEPS: tl.constexpr):
+    """A row's 2 STEPS block scales of one iteration [BN, 2 STEPS] (fp32) -> (A, B) of each block in
+    order, 2 STEPS tensors [BN] (block 0's twice when STEPS is 1)."""
     if STEPS == 1:
-        b0, b1 = b, b
+        a0, b0 = tl.split(s)
+        r = (a0, b0, a0, b0)
+    elif STEPS == 2:
+        p0, p1 = _halves(s)
+        a0, b0 = tl.split(p0)
+        a1, b1 = tl.split(p1)
+        r = (a0, b0, a1, b1)
     else:
-        b0, b1 = tl.split(tl.permute(tl.reshape(b, (BLOCK_N, 2, 16)), (0, 2, 1)))
-    return b0, b1
+        q0, q1 = _halves(s)
+        p0, p1 = _halves(q0)
+        p2, p3 = _halves(q1)
+        a0, b0 = tl.split(p0)
+        a1, b1 = tl.split(p1)
+        a2, b2 = tl.split(p2)
+        a3, b3 = tl.split(p3)
+        r = (a0, b0, a1, b1, a2, b2, a3, b3)
+    return r
+
+
+@triton.jit
+def _iteration_blocks(b, STEPS: tl.constexpr):
+    """A row's 16 STEPS code bytes of one iteration [BN, 16 STEPS] -> its STEPS blocks [BN, 16] in order
+    (block 0 twice when STEPS is 1)."""
+    if STEPS == 1:
+        r = (b, b)
+    elif STEPS == 2:
+        b0, b1 = _halves(b)
+        r = (b0, b1)
+    else:
+        h0, h1 = _halves(b)
+        b0, b1 = _halves(h0)
+        b2, b3 = _halves(h1)
+        r = (b0, b1, b2, b3)
+    return r
 
 
 @triton.jit
@@ -194,18 +220,16 @@ def _moe_tc_kernel(
     x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [16, BLOCK_M]: x^T
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    row_ok = mask_n[:, None]
     for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
-        sc = _iteration_scales(_scale(tl.load(s_ptrs + k0 // 16, mask=mask_n[:, None], other=0)), BLOCK_N,
-                               STEPS)
-        bw = _iteration_blocks(tl.load(w_ptrs + k0 // 2, mask=mask_n[:, None], other=0), BLOCK_N, STEPS)
+        sc = _iteration_scales(_scale(tl.load(s_ptrs + k0 // 16, mask=row_ok, other=0)), STEPS)
+        bw = _iteration_blocks(tl.load(w_ptrs + k0 // 2, mask=row_ok, other=0), STEPS)
         sc_up = sc
         bw_up = bw
-        if GATE_UP:
-            sc_up = _iteration_scales(_scale(tl.load(s_ptrs + N * stride_sn + k0 // 16, mask=mask_n[:, None],
-                                                     other=0)), BLOCK_N, STEPS)
-            bw_up = _iteration_blocks(
-                tl.load(w_ptrs + N * stride_wn + k0 // 2, mask=mask_n[:, None], other=0), BLOCK_N, STEPS
-            )
+        if GATE_UP:  # the up rows follow the N gate rows
+            s_up = tl.load(s_ptrs + N * stride_sn + k0 // 16, mask=row_ok, other=0)
+            sc_up = _iteration_scales(_scale(s_up), STEPS)
+            bw_up = _iteration_blocks(tl.load(w_ptrs + N * stride_wn + k0 // 2, mask=row_ok, other=0), STEPS)
         for u in tl.static_range(STEPS):
             k = k0 + 32 * u
             xa = tl.load(x_ptrs + k, mask=valid[None, :], other=0.0)
@@ -233,10 +257,10 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
     n = w.intermediate if gate_up else w.hidden
     block_n, warps, stages, steps = cfg.gate_up if gate_up else cfg.down
     k = a.shape[1]
-    if steps not in (1, 2):
-        raise ValueError(f"MoETCConfig: STEPS must be 1 or 2, got {steps}")
-    if k % (32 * steps):  # one block an iteration where K is not a multiple of 64 (K % 32 == 0 always)
-        steps = 1
+    if steps not in (1, 2, 4):
+        raise ValueError(f"MoETCConfig: STEPS must be 1, 2 or 4, got {steps}")
+    while k % (32 * steps):  # fewer blocks an iteration where K is not a multiple (K % 32 == 0 always)
+        steps //= 2
     _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #
         sorted_ids, block_expert, num_padded,  #

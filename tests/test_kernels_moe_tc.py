@@ -58,14 +58,16 @@ def test_tensor_core_path_matches_reference(monkeypatch, cfg, shared):
     assert _rel(out, decode) < 5e-3
 
 
-def test_two_blocks_an_iteration_walk_the_whole_k():
-    """STEPS 2 over K = 128 (gate_up: two iterations, each with its own four scale bytes a row) and
-    K = 64 (down: one), distinct scales everywhere: a wrong scale offset shows."""
-    w = _weights(4, 128, 64, True, False, seed=71)
+@pytest.mark.parametrize("steps,d", [(2, 128), (4, 256)])
+def test_several_blocks_an_iteration_walk_the_whole_k(steps, d):
+    """STEPS blocks an iteration over K = d (gate_up: two iterations, each with its own 2 STEPS scale
+    bytes a row) and K = 64 (down: one iteration, STEPS 4 falling back to 2), distinct scales
+    everywhere: a wrong code or scale offset shows."""
+    w = _weights(4, d, 64, True, False, seed=71)
     ids, route_w, g = _route(6, 2, 4, seed=72)
     ids[1:, 0] = ids[0, 0]
-    h = torch.randn(6, 128, generator=g).to(torch.bfloat16).to(DEVICE)
-    cfg = MoETCConfig(16, (16, 1, 1, 2), (32, 1, 1, 2))
+    h = torch.randn(6, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = MoETCConfig(16, (16, 1, 1, steps), (32, 1, 1, steps))
     out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
     assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
 
@@ -166,7 +168,8 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
     g = torch.Generator().manual_seed(t)
     h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
     ids, route_w = moe_route(h @ w.router.t(), e, 8, True, shared)
-    cfgs = (MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2)), MoETCConfig(32, (128, 8, 3, 1), (128, 8, 3, 1)))
+    cfgs = (MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2)), MoETCConfig(32, (128, 8, 3, 1), (128, 8, 3, 1)),
+            MoETCConfig(16, (64, 4, 3, 4), (64, 4, 3, 4)))
     for cfg in cfgs:
         out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
         assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
