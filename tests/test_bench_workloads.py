@@ -188,6 +188,10 @@ def test_cli_refuses_ambiguous_models(tmp_path):
     ]
     res = runner.invoke(cli, args)
     assert res.exit_code == 2 and "--lock-sample must be >= 16, got 4" in res.output
+    args = ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3-moe", "--random", "--engine",
+            "reference", "--refill-fraction", "0.5"]
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 2 and "--prefill-tokens/--refill-fraction apply to the fast engine" in res.output
     res = runner.invoke(
         cli, ["bench", "run", "--workload", "bogus", "--preset", "tiny-qwen3-moe", "--random"]
     )
@@ -213,3 +217,13 @@ def test_cli_model_folder(tiny_checkpoint, tmp_path):
     }
     assert doc["results"]["output_tokens"] == 16  # extract: 8 tokens per request, not shrunk
     assert doc["deviations"] == {"max_requests": 2, "max_in": 20, "token_ids_mod_vocab": 512}
+
+
+def test_cli_schedule_defaults_are_the_engines():
+    """`bench run` spells the fast engine's schedule defaults out (its --help imports no torch)."""
+    from batchinfer.engine.fast import PREFILL_TOKENS, REFILL_FRACTION
+
+    from batchinfer.cli.bench import run
+
+    params = {p.name: p.default for p in run.params}
+    assert (params["prefill_tokens"], params["refill_fraction"]) == (PREFILL_TOKENS, REFILL_FRACTION)

@@ -316,6 +316,35 @@ def test_kv_cache_engine_argument_is_checked():
     assert engine.generator.model.kv_cache == torch.float8_e4m3fn
 
 
+def test_schedule_engine_arguments_are_checked_and_reach_the_generator():
+    for arg, match in ((dict(prefill_tokens="0"), "prefill_tokens=0 must be >= 1"),
+                       (dict(prefill_tokens="many"), "prefill_tokens='many' is not an integer"),
+                       (dict(refill_fraction="1.5"), r"refill_fraction=1.5 must be in \(0, 1\]"),
+                       (dict(refill_fraction="half"), "refill_fraction='half' is not a number")):
+        with pytest.raises(ConfigError, match=match):
+            load_engine(DEMO, device="cpu", engine="fast", **arg)
+    with pytest.raises(ConfigError, match="apply to the fast engine"):
+        load_engine(DEMO, device="cpu", engine="reference", refill_fraction="0.5")
+    engine = load_engine(DEMO, device="cpu", engine="fast", prefill_tokens="4096", refill_fraction="0.5")
+    assert (engine.generator.prefill_tokens, engine.generator.refill_fraction) == (4096, 0.5)
+
+
+def test_refill_fraction_sets_how_often_prompts_are_prefilled():
+    """Waiting for every slot to free up (fraction 1) batches prompts into fewer, larger prefill passes
+    than refilling at the first free slot (a quarter of 4 slots); greedy outputs are the same."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
+    prompts = _random_prompts(cfg.vocab_size, [5, 7, 9, 6, 8, 5, 7, 6], seed=4)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 6, 3, 8, 2, 5, 4, 3)]
+    runs = {}
+    for fraction in (0.25, 1.0):
+        gen = FastGenerator(km, max_slots=4, refill_fraction=fraction)
+        runs[fraction] = ([o.token_ids for o in gen.generate(prompts, params)], gen.stats["prefill_passes"])
+    assert runs[0.25][0] == runs[1.0][0]
+    assert runs[1.0][1] < runs[0.25][1], runs
+    with pytest.raises(ValueError, match="refill_fraction=0"):
+        FastGenerator(km, refill_fraction=0)
+
+
 def test_fast_engine_refuses_a_cpu_without_the_interpreter(monkeypatch):
     with pytest.raises(ConfigError, match="the fast engine computes in bfloat16"):
         load_engine(DEMO, device="cpu", engine="fast", dtype="float32")

@@ -108,6 +108,21 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     help="Fast engine: KV cache of the full-attention layers (fp8: E4M3 with a scale per token and head, "
     "half the bytes, costs accuracy).",
 )
+@click.option(
+    "--prefill-tokens",
+    default=16384,  # engine.fast.PREFILL_TOKENS (not imported: --help stays free of torch)
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Fast engine: prompt tokens a prefill pass.",
+)
+@click.option(
+    "--refill-fraction",
+    default=0.125,  # engine.fast.REFILL_FRACTION
+    show_default=True,
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    help="Fast engine: waiting prompts are prefilled once this fraction of the slots is free; with "
+    "--prefill-tokens it sets the split between prefill passes and decode steps.",
+)
 @click.option("--max-requests", type=int, help="Run only the first N requests (recorded as 'capped').")
 @click.option("--max-in", type=int, help="Cut prompts to their first N tokens (recorded deviation).")
 @click.option("--max-out", type=int, help="Generate at most N tokens per request (recorded deviation).")
@@ -151,6 +166,8 @@ def run(
     max_slots: int,
     deltanet_state: str,
     kv_cache: str,
+    prefill_tokens: int,
+    refill_fraction: float,
     max_requests: int | None,
     max_in: int | None,
     max_out: int | None,
@@ -197,6 +214,8 @@ def run(
         raise click.UsageError("--deltanet-state applies to the fast engine (--engine fast)")
     if kv_cache != "bfloat16" and engine_name != "fast":
         raise click.UsageError("--kv-cache applies to the fast engine (--engine fast)")
+    if (prefill_tokens, refill_fraction) != (16384, 0.125) and engine_name != "fast":
+        raise click.UsageError("--prefill-tokens/--refill-fraction apply to the fast engine (--engine fast)")
     torch_dtype = DTYPES[dtype] if dtype else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     if engine_name == "fast":
         torch_dtype = torch.bfloat16
@@ -237,7 +256,9 @@ def run(
             raise AccuracyLockError(
                 "kernel exactness failed (limits in batchinfer/bench/exactness.py); no figure recorded"
             )
-        engine = FastTokenEngine(FastGenerator(kernel_model, max_slots=max_slots))
+        engine = FastTokenEngine(FastGenerator(
+            kernel_model, max_slots=max_slots, prefill_tokens=prefill_tokens, refill_fraction=refill_fraction
+        ))
     else:
         engine = ReferenceTokenEngine(bm.model, max_batch_size)
     results = []

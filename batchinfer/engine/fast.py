@@ -2,14 +2,16 @@
 
 All requests are known up front (offline). Each running sequence owns a slot of the state pools
 (`KernelModel.new_state`), sized from free GPU memory and the longest prompt + max_tokens. Requests wait
-longest-output-first; whenever enough slots are free, waiting prompts are prefilled together (packed, up to
-`prefill_tokens` tokens a pass) and join the decode batch, which then runs one token per running sequence
-per step. A prompt longer than a pass is prefilled in pieces (chunked prefill: each piece continues the
-slot's KV cache and DeltaNet state), one pass between decode steps, so a long prompt does not stall the
-running batch. A decode step is a CUDA graph replay for the smallest captured batch-size bucket >= the
-running count (padding rows point at a scratch slot), then greedy argmax or the fused sampler on the GPU;
-the sampled ids stay on the device as the next step's input, and one small copy per step brings them to the
-host for stop checks and callbacks.
+longest-output-first; whenever `refill_fraction` of the slots are free (or every waiting prompt fits),
+waiting prompts are prefilled together (packed, up to `prefill_tokens` tokens a pass) and join the decode
+batch, which then runs one token per running sequence per step. The two set the split between prefill
+passes and decode steps (`bench run --prefill-tokens/--refill-fraction` measures it). A prompt longer
+than a pass is prefilled in pieces (chunked prefill: each piece continues the slot's KV cache and
+DeltaNet state), one pass between decode steps, so a long prompt does not stall the running batch.
+A decode step is a CUDA graph replay for the smallest captured batch-size bucket >= the running count
+(padding rows point at a scratch slot), then greedy argmax or the fused sampler on the GPU; the sampled
+ids stay on the device as the next step's input, and one small copy per step brings them to the host
+for stop checks and callbacks.
 `generate` has the contract of `models.generate.generate`, so the text engine and the benchmark use
 either interchangeably.
 """
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_SLOTS = 512  # decode batch cap: past it the MoE reads every expert anyway and steps only get longer
 PREFILL_TOKENS = 16384  # prompt tokens per prefill pass
+REFILL_FRACTION = 0.125  # waiting prompts are prefilled once this fraction of the slots is free
 MEMORY_RESERVE = 0.1  # of total GPU memory kept free for activations and the graphs' pool
 
 
@@ -60,11 +63,16 @@ class FastGenerator:
         model: KernelModel,
         max_slots: int = MAX_SLOTS,
         prefill_tokens: int = PREFILL_TOKENS,
+        refill_fraction: float = REFILL_FRACTION,
         cuda_graphs: bool | None = None,
     ) -> None:
+        if prefill_tokens < 1 or not 0 < refill_fraction <= 1:
+            raise ValueError(f"prefill_tokens={prefill_tokens} (>= 1) or refill_fraction={refill_fraction} "
+                             "(in (0, 1]) out of range")
         self.model = model
         self.max_slots = max_slots
         self.prefill_tokens = prefill_tokens
+        self.refill_fraction = refill_fraction
         self.cuda_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.device = model.device
         if self.device.type == "cuda":  # Triton launches and graph captures go to the current device
@@ -295,7 +303,7 @@ class FastGenerator:
         partial: list[_Seq] = []  # prompts prefilled in part (longer than one pass)
         dirty = True
         prefilled_last = False
-        refill_at = max(1, slots // 8)
+        refill_at = max(1, int(slots * self.refill_fraction))
         with torch.inference_mode():
             while pending or running or partial:
                 refill = bool(pending and free) and (not running or len(free) >= min(refill_at, len(pending)))

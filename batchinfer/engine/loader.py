@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from batchinfer.checkpoint.loader import load_checkpoint, model_config_from_hf, read_raw_config
-from batchinfer.engine.fast import MAX_SLOTS, FastGenerator
+from batchinfer.engine.fast import MAX_SLOTS, PREFILL_TOKENS, REFILL_FRACTION, FastGenerator
 from batchinfer.engine.gpu import FastEngine
 from batchinfer.engine.kernel_model import KernelModel
 from batchinfer.engine.reference import DEFAULT_MAX_BATCH_SIZE, ReferenceEngine, context_limit
@@ -72,6 +72,8 @@ def load_engine(
     max_slots: int | str = MAX_SLOTS,
     deltanet_state: str = "float32",
     kv_cache: str = "bfloat16",
+    prefill_tokens: int | str = PREFILL_TOKENS,
+    refill_fraction: float | str = REFILL_FRACTION,
 ) -> ReferenceEngine:
     """Load a checkpoint folder onto `device` and wrap it in an engine.
 
@@ -83,15 +85,25 @@ def load_engine(
     engine's cap on concurrent sequences (it also fits them to free memory). `deltanet_state` (fast
     engine, Qwen3.5/3.6): `float32` (the checkpoints' own) or `bfloat16` recurrent state. `kv_cache` (fast
     engine): `bfloat16` or `fp8` (E4M3 with a scale per token and head: half the KV bytes).
+    `prefill_tokens` and `refill_fraction` (fast engine): prompt tokens a prefill pass, and the fraction
+    of the slots that must be free before waiting prompts are prefilled (`engine.fast`).
     The job layer passes its `--engine-arg KEY=VALUE` strings straight in, so numbers may be strings.
     """
     path = Path(model_path)
     max_model_len = None if max_model_len in (None, "") else _as_int("max_model_len", max_model_len)
     max_batch_size = _as_int("max_batch_size", max_batch_size)
     max_slots = _as_int("max_slots", max_slots)
-    for name, value in (("max_batch_size", max_batch_size), ("max_slots", max_slots)):
+    prefill_tokens = _as_int("prefill_tokens", prefill_tokens)
+    for name, value in (("max_batch_size", max_batch_size), ("max_slots", max_slots),
+                        ("prefill_tokens", prefill_tokens)):
         if value < 1:
             raise ConfigError(f"engine argument {name}={value} must be >= 1")
+    try:
+        refill_fraction = float(refill_fraction)
+    except ValueError:
+        raise ConfigError(f"engine argument refill_fraction={refill_fraction!r} is not a number") from None
+    if not 0 < refill_fraction <= 1:
+        raise ConfigError(f"engine argument refill_fraction={refill_fraction} must be in (0, 1]")
     dev = resolve_device(device)
     if engine not in ("auto", "fast", "reference"):
         raise ConfigError(f"engine argument engine={engine!r}: expected auto, fast or reference")
@@ -109,6 +121,9 @@ def load_engine(
         raise ConfigError(f"engine argument kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
     if kv_cache != "bfloat16" and not fast:
         raise ConfigError(f"engine argument kv_cache={kv_cache} applies to the fast engine (engine=fast)")
+    if not fast and (prefill_tokens, refill_fraction) != (PREFILL_TOKENS, REFILL_FRACTION):
+        raise ConfigError("engine arguments prefill_tokens and refill_fraction apply to the fast engine "
+                          "(engine=fast)")
     if fast and dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
         raise ConfigError(f"the fast engine computes in bfloat16; dtype={dtype!r} needs engine=reference")
     if fast:
@@ -133,7 +148,9 @@ def load_engine(
         kernel_model = KernelModel(
             config, weights, deltanet_state=DTYPES[deltanet_state], kv_cache=KV_DTYPES[kv_cache]
         )
-        generator = FastGenerator(kernel_model, max_slots=max_slots)
+        generator = FastGenerator(
+            kernel_model, max_slots=max_slots, prefill_tokens=prefill_tokens, refill_fraction=refill_fraction
+        )
         del weights
         # the state options change outputs too: recorded with the weights' format
         extras = [f"KV cache {kv_cache}"] * (kv_cache != "bfloat16")
