@@ -13,9 +13,10 @@ interleaved `[T, H, 2 * Dh]` output):
   `kv_cache.store_kv` and then calls `decode_attention` with `seq_lens` counting them.
   Rows with `seq_len == 0` (CUDA-graph padding) read nothing and return zeros.
 - FP8 cache (`kv_cache.py`): the same caches in `float8_e4m3fn` with fp32 scales `[slots, Hkv, max_len]`,
-  one a (slot, head, position) row; the kernels run the dots in fp16 (E4M3 and bf16 queries convert
-  exactly; queries after q_norm sit far inside fp16's range), multiply each score by its key's scale and
-  each probability by its value's scale (relative to the tile's largest) before the PV dot.
+  one a (slot, head, position) row; the kernels convert the tiles exactly (decode to fp16, one
+  conversion a pair, with its queries, which after q_norm sit far inside fp16's range; chunked prefill
+  to bf16), multiply each score by its key's scale and each probability by its value's scale (in decode
+  relative to the tile's largest) before the PV dot.
 Numerics: fp32 accumulation and softmax (exp2 with the scale folded in), bf16 tensor-core dots; the
 output gate of Qwen3.5 (`o * sigmoid(gate)`) is fused into the epilogue. Expected error vs `*_ref`:
 ~3e-3 relative (bf16 probabilities into the PV dot). GPU: sm_90, Triton's wgmma path; GQA group of 8
@@ -63,8 +64,8 @@ def _prefill_configs(head_dim: int, fp8: bool = False) -> dict[str, int]:
 
 
 def _decode_configs(head_dim: int, fp8: bool = False) -> dict[str, int]:
-    """Split-KV tiles: no spills, ~140 registers (FP8: 200-230), 3-stage cp.async pipeline (sm_90 compile
-    report)."""
+    """Split-KV tiles: ~140 registers and no spills (FP8: 145 at Dh=128; 255 and an 8-byte spill at
+    Dh=256), 3-stage cp.async pipeline (sm_90 compile report, Triton 3.6)."""
     if _interpreted():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "MIN_SPLIT": 32}
     # MIN_SPLIT 64: at batch 1-8 a row's KV is spread over up to 64 splits (measured 2026-11-30 with 256:
@@ -110,7 +111,7 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, offs_m, offs
     else:
         k = tl.load(k_ptrs + n_start * stride_kt)
     if FP8:
-        k = k.to(tl.float16)
+        k = k.to(tl.bfloat16)
     s = _dot(q, k, None, INTERPRET) * qk_scale
     if FP8:
         s = s * tl.load(ks_ptrs + n_start, mask=cols < seqlen, other=0.0)[None, :]
@@ -124,10 +125,10 @@ def _attn_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, ks_ptrs, vs_ptrs, offs_m, offs
         v = tl.load(v_ptrs + n_start * stride_vt, mask=cols[:, None] < seqlen, other=0.0)
     else:
         v = tl.load(v_ptrs + n_start * stride_vt)
-    if FP8:
-        acc = _pv_fp8(acc, alpha, p, v, tl.load(vs_ptrs + n_start, mask=cols < seqlen, other=0.0), INTERPRET)
-    else:
-        acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+    if FP8:  # bf16 tiles here: the fp16 product of decode (`_pv_fp8`) spills 184 B at Dh=256 (sm_90 report)
+        v = v.to(tl.bfloat16)
+        p = p * tl.load(vs_ptrs + n_start, mask=cols < seqlen, other=0.0)[None, :]
+    acc = _dot(small_ops._to(p, v.dtype, INTERPRET), v, acc * alpha[:, None], INTERPRET)
     return acc, m_new, l_i
 
 
@@ -159,8 +160,6 @@ def _prefill_attn_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < seqlen
     q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok)
-    if FP8:
-        q = q.to(tl.float16)
     if CACHED:  # positions and key counts include the slot's first `past` tokens
         past = tl.load(past_ptr + seq)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
