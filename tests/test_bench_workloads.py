@@ -188,8 +188,19 @@ def test_cli_refuses_ambiguous_models(tmp_path):
     ]
     res = runner.invoke(cli, args)
     assert res.exit_code == 2 and "--lock-sample must be >= 16, got 4" in res.output
-    args = ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3-moe", "--random", "--engine",
-            "reference", "--refill-fraction", "0.5"]
+    args = [
+        "bench",
+        "run",
+        "--workload",
+        "single",
+        "--preset",
+        "tiny-qwen3-moe",
+        "--random",
+        "--engine",
+        "reference",
+        "--refill-fraction",
+        "0.5",
+    ]
     res = runner.invoke(cli, args)
     assert res.exit_code == 2 and "--prefill-tokens/--refill-fraction apply to the fast engine" in res.output
     res = runner.invoke(
@@ -221,9 +232,8 @@ def test_cli_model_folder(tiny_checkpoint, tmp_path):
 
 def test_cli_schedule_defaults_are_the_engines():
     """`bench run` spells the fast engine's schedule defaults out (its --help imports no torch)."""
-    from batchinfer.engine.fast import PREFILL_TOKENS, REFILL_FRACTION
-
     from batchinfer.cli.bench import run
+    from batchinfer.engine.fast import PREFILL_TOKENS, REFILL_FRACTION
 
     params = {p.name: p.default for p in run.params}
     assert (params["prefill_tokens"], params["refill_fraction"]) == (PREFILL_TOKENS, REFILL_FRACTION)

@@ -178,8 +178,9 @@ def test_nvfp4_experts_load_paired_where_the_widths_allow():
 
     base = model_config_from_hf(preset_config("tiny-qwen3-moe"))
     for inter, paired in ((base.moe_intermediate_size, True), (48, False)):
-        cfg = dataclasses.replace(base, moe_intermediate_size=inter, num_hidden_layers=1,
-                                  layer_types=base.layer_types[:1])
+        cfg = dataclasses.replace(
+            base, moe_intermediate_size=inter, num_hidden_layers=1, layer_types=base.layer_types[:1]
+        )
         km = KernelModel(cfg, random_weights(cfg, device=DEVICE, scheme="nvfp4"))
         assert km.layers[0].moe.paired is paired
         logits = km.prefill_prompts(km.new_state(1, 16), _random_prompts(cfg.vocab_size, [9]), [0])
@@ -317,10 +318,12 @@ def test_kv_cache_engine_argument_is_checked():
 
 
 def test_schedule_engine_arguments_are_checked_and_reach_the_generator():
-    for arg, match in ((dict(prefill_tokens="0"), "prefill_tokens=0 must be >= 1"),
-                       (dict(prefill_tokens="many"), "prefill_tokens='many' is not an integer"),
-                       (dict(refill_fraction="1.5"), r"refill_fraction=1.5 must be in \(0, 1\]"),
-                       (dict(refill_fraction="half"), "refill_fraction='half' is not a number")):
+    for arg, match in (
+        (dict(prefill_tokens="0"), "prefill_tokens=0 must be >= 1"),
+        (dict(prefill_tokens="many"), "prefill_tokens='many' is not an integer"),
+        (dict(refill_fraction="1.5"), r"refill_fraction=1.5 must be in \(0, 1\]"),
+        (dict(refill_fraction="half"), "refill_fraction='half' is not a number"),
+    ):
         with pytest.raises(ConfigError, match=match):
             load_engine(DEMO, device="cpu", engine="fast", **arg)
     with pytest.raises(ConfigError, match="apply to the fast engine"):

@@ -66,7 +66,13 @@ def test_cached_prefill_attention_continues_sequences(monkeypatch, H, Hkv, Dh, g
     cu = torch.tensor([0, *torch.tensor(chunk).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     ids = torch.tensor(slots, dtype=torch.int32, device=DEV)
     out = prefill_attention_cached(
-        q[rows], kc, vc, cu, ids, torch.tensor(past, dtype=torch.int32, device=DEV), max(chunk),
+        q[rows],
+        kc,
+        vc,
+        cu,
+        ids,
+        torch.tensor(past, dtype=torch.int32, device=DEV),
+        max(chunk),
         gate=gate[rows] if gated else None,
     )
     ref = prefill_attention_ref(q, k, v, fcu, gate=gate)[rows]

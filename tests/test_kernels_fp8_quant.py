@@ -34,8 +34,9 @@ def test_kernel_matches_reference_on_the_interpreter(m, k):
     x = _x(m, k, 2)
     q = torch.full((m, k), float("nan")).to(torch.float8_e4m3fn)
     s = torch.full((m, 1), float("nan"))
-    fp8_quant._quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0),
-                                          BLOCK_K=triton.next_power_of_2(k))
+    fp8_quant._quantize_rows_kernel[(m,)](
+        x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=triton.next_power_of_2(k)
+    )
     q_ref, s_ref = quantize_rows_fp8_ref(x)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     exact = x.float() / s_ref

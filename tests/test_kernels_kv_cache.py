@@ -76,8 +76,25 @@ def test_store_kernel_on_the_interpreter():
 
     def launch(kc, vc, ks, vs, fp8):
         kv_cache._store_kv_kernel[(4, 2)](
-            k, v, kc, vc, ks, vs, slots, pos, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), HEAD_DIM=32, FP8=fp8,
+            k,
+            v,
+            kc,
+            vc,
+            ks,
+            vs,
+            slots,
+            pos,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            kc.stride(0),
+            kc.stride(1),
+            kc.stride(2),
+            ks.stride(0),
+            ks.stride(1),
+            HEAD_DIM=32,
+            FP8=fp8,
         )
 
     (kc, ks), (vc, vs) = _caches(2, 2, 6, 32, fp8=True), _caches(2, 2, 6, 32, fp8=True)
@@ -143,14 +160,24 @@ def test_cached_prefill_reads_an_fp8_cache(monkeypatch):
     q = torch.randn(T, H, Dh, generator=g).to(torch.bfloat16).to(DEV)
     cu = torch.tensor([0, chunk[0], T], dtype=torch.int32, device=DEV)
     slots = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
-    out = prefill_attention_cached(q, kc, vc, cu, slots, torch.tensor(past, dtype=torch.int32, device=DEV),
-                                   max(chunk), k_scale=ks, v_scale=vs)
+    out = prefill_attention_cached(
+        q,
+        kc,
+        vc,
+        cu,
+        slots,
+        torch.tensor(past, dtype=torch.int32, device=DEV),
+        max(chunk),
+        k_scale=ks,
+        v_scale=vs,
+    )
     for n in range(2):  # reference: the whole sequence from its start, then the chunk's rows
         L = past[n] + chunk[n]
         k, v = dequantize_kv(kc[n, :, :L], ks[n, :, :L]), dequantize_kv(vc[n, :, :L], vs[n, :, :L])
         qn = torch.cat([torch.zeros(past[n], H, Dh, device=DEV), q[cu[n] : cu[n + 1]].float()])
-        full = prefill_attention_ref(qn, k.transpose(0, 1), v.transpose(0, 1),
-                                     torch.tensor([0, L], dtype=torch.int32, device=DEV))
+        full = prefill_attention_ref(
+            qn, k.transpose(0, 1), v.transpose(0, 1), torch.tensor([0, L], dtype=torch.int32, device=DEV)
+        )
         assert rel_err(out[cu[n] : cu[n + 1]], full[past[n] :]) < 1e-2
 
 

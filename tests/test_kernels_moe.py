@@ -1,6 +1,5 @@
 """Fused MoE (routing, alignment, grouped GEMMs) against fp32 references; CPU shapes and real GPU shapes."""
 
-
 import pytest
 import torch
 from batchinfer.kernels import moe

@@ -25,8 +25,9 @@ def test_pairing_moves_every_code_to_its_slot():
     """Byte p of each 32-code block: code k = BYTE_K[p] of the first scale group (low nibble), 16 + k
     (high); a thread's four operand K (2t, 2t+1, 2t+8, 2t+9) in bytes 4t..4t+3."""
     assert sorted(BYTE_K) == list(range(16))
-    assert [BYTE_K[4 * t : 4 * t + 4] for t in range(4)] == [[2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]
-                                                             for t in range(4)]
+    assert [BYTE_K[4 * t : 4 * t + 4] for t in range(4)] == [
+        [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9] for t in range(4)
+    ]
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (3, 5, 32), dtype=torch.uint8, generator=g)  # K = 64 codes a row
     codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(3, 5, 2, 2, 16)  # [.., block, group, k]
@@ -48,8 +49,15 @@ def test_tensor_core_path_matches_reference(monkeypatch, cfg, shared):
     h = torch.randn(t, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     paired = pair_moe_weights(w)
     real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *s, **k: real_empty(*s, **k).fill_(float("nan"))
-                        if k.get("dtype") == torch.bfloat16 else real_empty(*s, **k))  # poison outputs
+    monkeypatch.setattr(
+        torch,
+        "empty",
+        lambda *s, **k: (
+            real_empty(*s, **k).fill_(float("nan"))
+            if k.get("dtype") == torch.bfloat16
+            else real_empty(*s, **k)
+        ),
+    )  # poison outputs
     out = moe_experts(h, ids, route_w, paired, config=cfg)
     assert out.shape == (t, 64) and out.dtype == torch.bfloat16
     ref = moe_experts_ref(h, ids, route_w, w)
@@ -78,7 +86,7 @@ def test_tensor_core_path_covers_the_scale_and_code_range():
     w = _weights(2, 32, 32, True, False, seed=61)
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # every byte: all code pairs
     w.w13[:] = codes.repeat(4, 1)[: w.w13.shape[1]].to(DEVICE)
-    e4m3 = torch.tensor([2 ** -9, 2 ** -6, 1.0, 448.0]).to(torch.float8_e4m3fn).view(torch.uint8)
+    e4m3 = torch.tensor([2**-9, 2**-6, 1.0, 448.0]).to(torch.float8_e4m3fn).view(torch.uint8)
     w.w13_scale[:] = e4m3[torch.randint(0, 4, tuple(w.w13_scale.shape), generator=g)].to(DEVICE)
     ids, route_w, g = _route(3, 2, 2, seed=62)
     h = torch.randn(3, 32, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -168,8 +176,11 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
     g = torch.Generator().manual_seed(t)
     h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
     ids, route_w = moe_route(h @ w.router.t(), e, 8, True, shared)
-    cfgs = (MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2)), MoETCConfig(32, (128, 8, 3, 1), (128, 8, 3, 1)),
-            MoETCConfig(16, (64, 4, 3, 4), (64, 4, 3, 4)))
+    cfgs = (
+        MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2)),
+        MoETCConfig(32, (128, 8, 3, 1), (128, 8, 3, 1)),
+        MoETCConfig(16, (64, 4, 3, 4), (64, 4, 3, 4)),
+    )
     for cfg in cfgs:
         out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
         assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3

@@ -72,8 +72,9 @@ def test_workers_without_a_console_script_import_what_the_parent_runs(tmp_path, 
     assert argv[3:] == ["run", "--output", str(tmp_path / "job")]
     monkeypatch.undo()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", argv[2], "--help"], capture_output=True, text=True, env=env,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", argv[2], "--help"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Usage: batchinfer [OPTIONS] COMMAND")
 

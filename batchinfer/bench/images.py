@@ -362,8 +362,12 @@ def run_images_benchmark(
     blocks = model.backbone.vision_backbone.trunk.blocks
     fp8 = {name for b in blocks for name, m in b.named_modules() if isinstance(m, FP8Linear)}
     vit_linears = "as dtype" if not fp8 else "fp8 (MLP)" if fp8 <= {"mlp.fc1", "mlp.fc2"} else "fp8"
-    facts = {"engine": "batchinfer sam3", "dtype": str(model._param().dtype), "device": str(device),
-             "vit_linears": vit_linears}
+    facts = {
+        "engine": "batchinfer sam3",
+        "dtype": str(model._param().dtype),
+        "device": str(device),
+        "vit_linears": vit_linears,
+    }
     engine = SegmenterEngine(model, facts, batch_size=batch_size)
     with tempfile.TemporaryDirectory() as tmp:
         warm = min(batch_size if warmup_images is None else warmup_images, len(encoded))

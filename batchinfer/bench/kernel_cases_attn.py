@@ -50,8 +50,9 @@ def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device, fp8: bool = Fa
     scales: list[dict] = [{}] * sets
     if fp8:  # scales rotate with their caches, so they are not read from L2
         fp8_caches = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in caches]
-        scales = [{n: torch.ones(batch, Hkv, L, device=dev) for n in ("k_scale", "v_scale")}
-                  for _ in range(sets)]
+        scales = [
+            {n: torch.ones(batch, Hkv, L, device=dev) for n in ("k_scale", "v_scale")} for _ in range(sets)
+        ]
     qs = [torch.randn(batch, H, Dh, device=dev, dtype=BF16) for _ in range(sets)]
     gate = torch.randn(batch, H, Dh, device=dev, dtype=BF16) if cfg.attn_output_gate else None
     slots = torch.arange(batch, device=dev)
@@ -165,8 +166,17 @@ def fla_prefill(
     norm, sigmoid(b), the decay from A_log and dt_bias all inside its kernels, GVA heads, final states
     out. Returns (o `[T, Hv, Dv]`, final states `[N, Hv, Dk, Dv]` fp32)."""
     o, ht = fla_rule(
-        q[None], k[None], v[None], a[None], b[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+        q[None],
+        k[None],
+        v[None],
+        a[None],
+        b[None],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
         cu_seqlens=cu_seqlens.long(),
     )
     return o[0], ht

@@ -61,8 +61,20 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     seen: dict[str, tuple[tuple, dict]] = {}
     kernels = {  # by identity: modules import each other's jitted helpers
         id(k): k
-        for mod in (attention, causal_conv1d, fp8_gemm, gdn, gdn_chunk, kv_cache, moe, moe_align, moe_tc,
-                    qk_norm_rope, sampling, small_ops)
+        for mod in (
+            attention,
+            causal_conv1d,
+            fp8_gemm,
+            gdn,
+            gdn_chunk,
+            kv_cache,
+            moe,
+            moe_align,
+            moe_tc,
+            qk_norm_rope,
+            sampling,
+            small_ops,
+        )
         for k in vars(mod).values()
         if isinstance(k, triton.JITFunction)
     }.values()
@@ -167,8 +179,9 @@ def _attention_launches(H: int, Hkv: int, Dh: int, rot: int, gated: bool) -> Ite
     yield (
         f"Dh={Dh} chunked prefill, FP8 cache",
         attention._prefill_attn_kernel,
-        lambda: attention.prefill_attention_cached(q, k8, v8, cu, one, past, T, gate=gate, k_scale=ks,
-                                                   v_scale=vs),
+        lambda: attention.prefill_attention_cached(
+            q, k8, v8, cu, one, past, T, gate=gate, k_scale=ks, v_scale=vs
+        ),
     )
 
 
@@ -187,8 +200,11 @@ def _gdn_launches() -> Iterator[tuple]:
     yield "decode, bf16 state", gdn._delta_rule_kernel, lambda: rule(s16, slot_ids=slots)
     past = torch.full((1,), 100, dtype=torch.int32)  # a later piece of a chunked prefill
     yield "prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu)
-    yield "chunked prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu,
-                                                                  past=past)
+    yield (
+        "chunked prefill",
+        gdn._delta_rule_kernel,
+        lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu, past=past),
+    )
     chunk = lambda p=None: gdn_chunk.chunk_gated_delta_rule(
         q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu, T, past=p
     )
@@ -199,8 +215,11 @@ def _gdn_launches() -> Iterator[tuple]:
     cw, cs = _t(C, 4), _t(T, 3, C)
     conv = causal_conv1d
     yield "prefill", conv._conv1d_kernel, lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1])
-    yield "chunked prefill", conv._conv1d_kernel, lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1],
-                                                                             past)
+    yield (
+        "chunked prefill",
+        conv._conv1d_kernel,
+        lambda: conv.causal_conv1d(mixed, cw, cu, T, cs, slots[:1], past),
+    )
     yield "decode", conv._conv1d_update_kernel, lambda: conv.causal_conv1d_update(mixed, cw, cs, slots)
     yield "", gdn._gated_rmsnorm_kernel, lambda: gdn.gated_rmsnorm(v, v, _t(D), 1e-6)
 
@@ -232,8 +251,25 @@ def _kv_store_launches(Hkv: int, Dh: int) -> Iterator[tuple]:
     ks = torch.ones(S, Hkv, L)
     idx = torch.arange(T) % S
     store = lambda: kv_cache._store_kv_kernel[(T, Hkv)](
-        k, v, kc, kc, ks, ks, idx, idx, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), HEAD_DIM=Dh, FP8=True,
+        k,
+        v,
+        kc,
+        kc,
+        ks,
+        ks,
+        idx,
+        idx,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        ks.stride(0),
+        ks.stride(1),
+        HEAD_DIM=Dh,
+        FP8=True,
         num_warps=1 if Dh <= 128 else 2,
     )
     yield f"Dh={Dh} FP8", kv_cache._store_kv_kernel, store
@@ -243,8 +279,18 @@ def _moe_launches() -> Iterator[tuple]:
     """Qwen3.6's experts in the engine's paired layout (257 with the shared one, D 2048, I 512)."""
     E, D, I = 257, 2048, 512
     u8 = lambda *shape: torch.zeros(*shape, dtype=torch.uint8)
-    w = MoEWeights(_t(E, D), u8(E, 2 * I, D // 2), u8(E, D, I // 2), u8(E, 2 * I, D // 16), u8(E, D, I // 16),
-                   torch.ones(E, 2), torch.ones(E), E - 1, True, paired=True)
+    w = MoEWeights(
+        _t(E, D),
+        u8(E, 2 * I, D // 2),
+        u8(E, D, I // 2),
+        u8(E, 2 * I, D // 16),
+        u8(E, D, I // 16),
+        torch.ones(E, 2),
+        torch.ones(E),
+        E - 1,
+        True,
+        paired=True,
+    )
     ids = lambda t: (torch.arange(t * 9) % E).int().view(t, 9)
     run = lambda t, cfg: moe.moe_experts(_t(t, D), ids(t), torch.rand(t, 9), w, config=cfg)
     decode = lambda: run(8, moe._decode_config(72))

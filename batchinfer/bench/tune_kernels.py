@@ -212,8 +212,16 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
 # 64 a warpgroup (the sm_90 TTGIR keeps the decoded weight in registers for 64 rows on 4 warps, 128 on 8);
 # STEPS (1, 2 or 4) 32-code blocks an iteration (4 was slower on the H200 when its scale split went through
 # shared memory; since 6b6d41c's register splits it does not, in the sm_90 compile: not yet timed).
-MOE_TC_TILES = [(64, 4, 3, 2), (64, 4, 3, 1), (64, 4, 3, 4), (64, 4, 2, 4), (64, 4, 4, 2), (64, 4, 2, 2),
-                (128, 8, 3, 2), (128, 8, 3, 1)]
+MOE_TC_TILES = [
+    (64, 4, 3, 2),
+    (64, 4, 3, 1),
+    (64, 4, 3, 4),
+    (64, 4, 2, 4),
+    (64, 4, 4, 2),
+    (64, 4, 2, 2),
+    (128, 8, 3, 2),
+    (128, 8, 3, 1),
+]
 # BLOCK_M 128 (a wgmma N of 128: each decoded code serves twice the tokens of 64) for prefill sizes, where
 # grouped_mm still wins; sm_90 compile: no spills (gate_up 254 registers at 4 warps, 242 at 8).
 MOE_TC_BLOCK_M = (16, 32, 64, 128)
@@ -305,8 +313,14 @@ def main() -> None:
                     r = tune(model, t, dev)
                     if kind == "moe_paths":
                         times = ", ".join(f"{name} {us:.1f}" for name, us in r["us"].items())
-                        log.info("moe_paths %s T=%d (%.2f an expert): %s us; table %s", model, t,
-                                 r["per_expert"], times, r["table"][0])
+                        log.info(
+                            "moe_paths %s T=%d (%.2f an expert): %s us; table %s",
+                            model,
+                            t,
+                            r["per_expert"],
+                            times,
+                            r["table"][0],
+                        )
                         results.append(r)
                         _dump(args.out, results)
                         continue

@@ -256,9 +256,14 @@ def run(
             raise AccuracyLockError(
                 "kernel exactness failed (limits in batchinfer/bench/exactness.py); no figure recorded"
             )
-        engine = FastTokenEngine(FastGenerator(
-            kernel_model, max_slots=max_slots, prefill_tokens=prefill_tokens, refill_fraction=refill_fraction
-        ))
+        engine = FastTokenEngine(
+            FastGenerator(
+                kernel_model,
+                max_slots=max_slots,
+                prefill_tokens=prefill_tokens,
+                refill_fraction=refill_fraction,
+            )
+        )
     else:
         engine = ReferenceTokenEngine(bm.model, max_batch_size)
     results = []

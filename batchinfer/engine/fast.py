@@ -67,8 +67,10 @@ class FastGenerator:
         cuda_graphs: bool | None = None,
     ) -> None:
         if prefill_tokens < 1 or not 0 < refill_fraction <= 1:
-            raise ValueError(f"prefill_tokens={prefill_tokens} (>= 1) or refill_fraction={refill_fraction} "
-                             "(in (0, 1]) out of range")
+            raise ValueError(
+                f"prefill_tokens={prefill_tokens} (>= 1) or refill_fraction={refill_fraction} "
+                "(in (0, 1]) out of range"
+            )
         self.model = model
         self.max_slots = max_slots
         self.prefill_tokens = prefill_tokens
@@ -238,12 +240,17 @@ class FastGenerator:
         torch.cuda.empty_cache()
         if len(pieces) > 1:
             half = len(pieces) // 2
-            log.warning("prefill of %d prompts ran out of GPU memory; retrying as %d + %d",
-                        len(pieces), half, len(pieces) - half)
+            log.warning(
+                "prefill of %d prompts ran out of GPU memory; retrying as %d + %d",
+                len(pieces),
+                half,
+                len(pieces) - half,
+            )
             return self._prefill(pieces[:half]) + self._prefill(pieces[half:])
         s, n = pieces[0]
-        log.warning("prefill of %d tokens of request %d ran out of GPU memory; retrying with %d",
-                    n, s.index, n // 2)
+        log.warning(
+            "prefill of %d tokens of request %d ran out of GPU memory; retrying with %d", n, s.index, n // 2
+        )
         return self._prefill([(s, n // 2)])
 
     def _prefill_pass(self, pieces: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int | None]]:

@@ -266,8 +266,9 @@ class KernelModel:
         c = self.config
         x, residual = embedding(ids, self.embed), None
         for i, layer in enumerate(self.layers):
-            h, residual = add_rmsnorm(x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm,
-                                      RESIDUAL)
+            h, residual = add_rmsnorm(
+                x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm, RESIDUAL
+            )
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
                 kc, vc, ks, vs = state.k[i], state.v[i], state.k_scale[i], state.v_scale[i]
@@ -275,8 +276,18 @@ class KernelModel:
                 if past is None:  # a fresh prompt attends to its own bf16 K/V, whatever the cache keeps
                     o = prefill_attention(q, k, v, cu_seqlens, max_seqlen, gate=gate)
                 else:
-                    o = prefill_attention_cached(q, kc, vc, cu_seqlens, slots, past, max_seqlen,  # type: ignore[arg-type]
-                                                 gate=gate, k_scale=ks, v_scale=vs)
+                    o = prefill_attention_cached(
+                        q,
+                        kc,
+                        vc,
+                        cu_seqlens,
+                        slots,
+                        past,
+                        max_seqlen,  # type: ignore[arg-type]
+                        gate=gate,
+                        k_scale=ks,
+                        v_scale=vs,
+                    )
                 h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
             else:
                 h = self._deltanet(h, layer.mixer, state, i, slots, cu_seqlens, max_seqlen, past)
@@ -322,8 +333,9 @@ class KernelModel:
         seq_lens, slot_idx, pos_idx = positions + 1, slots.long(), positions.long()
         x, residual = embedding(ids, self.embed), None
         for i, layer in enumerate(self.layers):
-            h, residual = add_rmsnorm(x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm,
-                                      RESIDUAL)
+            h, residual = add_rmsnorm(
+                x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm, RESIDUAL
+            )
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
                 kc, vc, ks, vs = state.k[i], state.v[i], state.k_scale[i], state.v_scale[i]

@@ -94,8 +94,11 @@ def load_engine(
     max_batch_size = _as_int("max_batch_size", max_batch_size)
     max_slots = _as_int("max_slots", max_slots)
     prefill_tokens = _as_int("prefill_tokens", prefill_tokens)
-    for name, value in (("max_batch_size", max_batch_size), ("max_slots", max_slots),
-                        ("prefill_tokens", prefill_tokens)):
+    for name, value in (
+        ("max_batch_size", max_batch_size),
+        ("max_slots", max_slots),
+        ("prefill_tokens", prefill_tokens),
+    ):
         if value < 1:
             raise ConfigError(f"engine argument {name}={value} must be >= 1")
     try:
@@ -122,8 +125,9 @@ def load_engine(
     if kv_cache != "bfloat16" and not fast:
         raise ConfigError(f"engine argument kv_cache={kv_cache} applies to the fast engine (engine=fast)")
     if not fast and (prefill_tokens, refill_fraction) != (PREFILL_TOKENS, REFILL_FRACTION):
-        raise ConfigError("engine arguments prefill_tokens and refill_fraction apply to the fast engine "
-                          "(engine=fast)")
+        raise ConfigError(
+            "engine arguments prefill_tokens and refill_fraction apply to the fast engine (engine=fast)"
+        )
     if fast and dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
         raise ConfigError(f"the fast engine computes in bfloat16; dtype={dtype!r} needs engine=reference")
     if fast:

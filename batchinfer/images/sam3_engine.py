@@ -42,8 +42,11 @@ def load_engine(
     facts = {
         "engine": "sam3",
         "model": str(model_path),
-        "quantization": {"bf16": dtype, "fp8": f"{dtype}, ViT linears fp8",
-                         "fp8-mlp": f"{dtype}, ViT MLP linears fp8"}[vit],
+        "quantization": {
+            "bf16": dtype,
+            "fp8": f"{dtype}, ViT linears fp8",
+            "fp8-mlp": f"{dtype}, ViT MLP linears fp8",
+        }[vit],
         "device": device,
         "image_size": str(model.config.image_size),
         "mask_threshold": "0.5",  # sigmoid of the upsampled mask logits (Meta's Sam3Processor)
