@@ -20,11 +20,11 @@ permute that only relabels a thread's registers) and decodes four at a time, so 
 MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]). A loop iteration covers
 STEPS such blocks and loads a row's 16 STEPS code bytes in one load (STEPS 2: a whole 32-byte sector, by
 16-byte cp.async; as two 16-byte loads each used half a sector, and ncu counted 61% of the sectors the
-kernel fetched as excess) and its 2 STEPS block scales in another, which Triton pipelines by cp.async
-with the codes (one-byte scale loads cannot be, and stalled the warps on L1: ncu on the H200, session 6).
-Both are split into blocks and scales in registers (`_halves`); in the sm_90 compile, STEPS 4 reads its
-8 scale bytes a row with one `LDS.64` and no copy, while STEPS 2's 4-byte split still goes through
-shared memory (`STS.U16` + 4 `LDS.U16` a matrix an iteration).
+kernel fetched as excess) and its 2 STEPS block scales as 32-bit words, which Triton pipelines by
+cp.async with the codes. Loads of fewer than 4 bytes a thread it cannot pipeline: one-byte scale loads
+stalled the warps on L1 (ncu on the H200, session 6), and a [64, 4]-byte load still gave each of 128
+threads 2 bytes, a synchronous `LDG.U16` plus a copy through shared memory (sm_90 SASS, session 7).
+Codes are split into blocks (`_halves`) and words into scales (shifts) in registers.
 
 Decode (`_weight`, inline PTX on pairs of bytes): the code's sign goes to bit 15 and its three magnitude
 bits to bits 6-8 of a bf16 (code * 2^-126, E2M1's subnormal 0.5 included), times the block scale as a
@@ -137,26 +137,26 @@ def _halves(x):
 
 
 @triton.jit
+def _scale_at(word, i: tl.constexpr):
+    """Byte i of each row's scale word [BN] as `_scale`'s fp32 (`e4m3_to_f32` keeps the low byte)."""
+    return _scale(word >> (8 * i))
+
+
+@triton.jit
 def _iteration_scales(s, STEPS: tl.constexpr):
-    """A row's 2 STEPS block scales of one iteration [BN, 2 STEPS] (fp32) -> (A, B) of each block in
-    order, 2 STEPS tensors [BN] (block 0's twice when STEPS is 1)."""
-    if STEPS == 1:
-        a0, b0 = tl.split(s)
-        r = (a0, b0, a0, b0)
-    elif STEPS == 2:
-        p0, p1 = _halves(s)
-        a0, b0 = tl.split(p0)
-        a1, b1 = tl.split(p1)
-        r = (a0, b0, a1, b1)
+    """A row's 2 STEPS block scales of one iteration as little-endian words [BN, WORDS] (`_launch`: int16
+    for STEPS 1, one int32 for 2, two for 4) -> (A, B) of each block in order, 2 STEPS tensors [BN] fp32
+    (block 0's twice when STEPS is 1)."""
+    if STEPS == 4:
+        w0, w1 = tl.split(s)
+        r = (_scale_at(w0, 0), _scale_at(w0, 1), _scale_at(w0, 2), _scale_at(w0, 3),
+             _scale_at(w1, 0), _scale_at(w1, 1), _scale_at(w1, 2), _scale_at(w1, 3))
     else:
-        q0, q1 = _halves(s)
-        p0, p1 = _halves(q0)
-        p2, p3 = _halves(q1)
-        a0, b0 = tl.split(p0)
-        a1, b1 = tl.split(p1)
-        a2, b2 = tl.split(p2)
-        a3, b3 = tl.split(p3)
-        r = (a0, b0, a1, b1, a2, b2, a3, b3)
+        w = tl.reshape(s, (s.shape[0],))
+        if STEPS == 1:
+            r = (_scale_at(w, 0), _scale_at(w, 1), _scale_at(w, 0), _scale_at(w, 1))
+        else:
+            r = (_scale_at(w, 0), _scale_at(w, 1), _scale_at(w, 2), _scale_at(w, 3))
     return r
 
 
@@ -214,21 +214,23 @@ def _moe_tc_kernel(
     mask_n = rows < N
     j = tl.arange(0, 16)
     w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16 * STEPS)[None, :]
-    # an iteration's 2 STEPS block scales of a row are contiguous: one load a row (pipelined by cp.async),
-    # not 2 STEPS byte loads that stall on L1 (ncu, H200)
-    s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 2 * STEPS)[None, :]
+    # an iteration's 2 STEPS block scales of a row are contiguous: loaded as WORDS words a row (s_ptr and its
+    # strides in words), 4 bytes a thread, which Triton pipelines by cp.async; as bytes a thread got 2 of
+    # STEPS 2's 4 and loaded them synchronously (sm_90 SASS), and byte loads stalled on L1 (ncu, H200)
+    WORDS: tl.constexpr = 2 if STEPS == 4 else 1
+    s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, WORDS)[None, :]
     x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [16, BLOCK_M]: x^T
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     row_ok = mask_n[:, None]
     for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
-        sc = _iteration_scales(_scale(tl.load(s_ptrs + k0 // 16, mask=row_ok, other=0)), STEPS)
+        s_off = k0 // (32 * STEPS) * WORDS
+        sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS)
         bw = _iteration_blocks(tl.load(w_ptrs + k0 // 2, mask=row_ok, other=0), STEPS)
         sc_up = sc
         bw_up = bw
         if GATE_UP:  # the up rows follow the N gate rows
-            s_up = tl.load(s_ptrs + N * stride_sn + k0 // 16, mask=row_ok, other=0)
-            sc_up = _iteration_scales(_scale(s_up), STEPS)
+            sc_up = _iteration_scales(tl.load(s_ptrs + N * stride_sn + s_off, mask=row_ok, other=0), STEPS)
             bw_up = _iteration_blocks(tl.load(w_ptrs + N * stride_wn + k0 // 2, mask=row_ok, other=0), STEPS)
         for u in tl.static_range(STEPS):
             k = k0 + 32 * u
@@ -261,6 +263,7 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
         raise ValueError(f"MoETCConfig: STEPS must be 1, 2 or 4, got {steps}")
     while k % (32 * steps):  # fewer blocks an iteration where K is not a multiple (K % 32 == 0 always)
         steps //= 2
+    st = st.view(torch.int16 if steps == 1 else torch.int32)  # the kernel's scale words
     _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #
         sorted_ids, block_expert, num_padded,  #
