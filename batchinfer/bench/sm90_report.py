@@ -113,6 +113,21 @@ def _source(
     return ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), consts, options
 
 
+def loop_loads(sass: str) -> int:
+    """Synchronous global loads (`LDG`; cp.async is `LDGSTS`) inside loop bodies, the address ranges that
+    backward branches close: loads Triton's pipeliner left in a loop, each a wait on memory every
+    iteration (`moe_tc`'s 2-byte scale loads were one, session 7)."""
+    code = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, ins in code:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    return sum(
+        1 for addr, ins in code if re.search(r"\bLDG\b", ins) and any(lo <= addr <= hi for lo, hi in loops)
+    )
+
+
 def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dict[str, Any]:
     """Compile the launch `launch()` would make for sm_90; registers, spill bytes, smem, op counts."""
     src, consts, options = _source(kernel, *_capture(kernel, launch))
@@ -132,6 +147,7 @@ def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dic
         "spill_bytes": stack,
         "smem": compiled.metadata.shared,
         **{op: len(re.findall(rf"\b{op}\b", sass)) for op in _OPS},
+        "loop LDG": loop_loads(sass),
     }
 
 
@@ -334,8 +350,8 @@ def main() -> None:
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the report compiles real sm_90 code")
-    print("| kernel | case | config | regs | spill B | smem B | " + " | ".join(_OPS) + " |")
-    print("|---" * (6 + len(_OPS)) + "|")
+    print("| kernel | case | config | regs | spill B | smem B | " + " | ".join(_OPS) + " | loop LDG |")
+    print("|---" * (7 + len(_OPS)) + "|")
     failed = False
     for case, kernel, launch in launches():
         try:
@@ -347,7 +363,7 @@ def main() -> None:
         failed |= r["spill_bytes"] > args.max_spill
         print(
             f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
-            + " | ".join(str(r[op]) for op in _OPS)
+            + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG"))
             + " |"
         )
     sys.exit(1 if failed else 0)
