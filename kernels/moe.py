@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
-from batchinfer.kernels.moe_tc import MoETCConfig, byte_k, k_byte, moe_experts_tc
+from batchinfer.kernels.moe_tc import MoETCConfig, byte_k, k_byte, moe_experts_tc, scale_offset
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import (
@@ -352,7 +352,7 @@ def _scaled(even, odd, s_ptrs, groups, mask, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
+def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk, stride_sn,  #
                BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2, PAIRED: tl.constexpr):
     """One K step of `_group_dot` times the block scales for rows `rows` (and, with TWO, rows + ROW2
     of the same weight, sharing the x loads): returns ([BN, BG], [BN, BG]) fp32 times 2^-22."""
@@ -376,7 +376,10 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,
     x14 = _x_at(x_row, groups, 14, G, mask_g, X_PMAJOR, PAIRED)
     x15 = _x_at(x_row, groups, 15, G, mask_g, X_PMAJOR, PAIRED)
     offs_w = rows[:, None] * stride_wn + groups[None, :]
-    offs_s = rows[:, None] * stride_sn + groups[None, :]
+    if PAIRED:  # `moe_tc.pair_scales`: a row's 64-code blocks stride_sk apart, rows 4 bytes apart
+        offs_s = scale_offset(rows[:, None], groups[None, :], stride_sk)
+    else:
+        offs_s = rows[:, None] * stride_sn + groups[None, :]
     even, odd = _group_dot(w_base + offs_w, mask,  #
                            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
     p = _scaled(even, odd, s_base + offs_s, groups, mask, PAIRED)
@@ -384,7 +387,7 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,
     if TWO:
         even, odd = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask,
                                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-        q = _scaled(even, odd, s_base + ROW2 * stride_sn + offs_s, groups, mask, PAIRED)
+        q = _scaled(even, odd, s_base + ROW2 * stride_sn + offs_s, groups, mask, PAIRED)  # stride_sn: 4
     return p, q
 
 
@@ -408,7 +411,7 @@ def _split_total(part, ws_ptrs, lock_ptr, pid_s, stride_s, mask, SPLIT: tl.const
 def _moe_decode_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
     NUMEL, N, G, A_DIV,  #
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
+    stride_xm, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
@@ -429,7 +432,7 @@ def _moe_decode_gate_up_kernel(
     acc_g = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     for g0 in range(pid_s * per_split, tl.minimum(G, (pid_s + 1) * per_split), BLOCK_G):
-        p, q = _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sn,  #
+        p, q = _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk, stride_sn,  #
                           BLOCK_G, False, True, N, PAIRED)
         acc_g += p
         acc_u += q
@@ -457,7 +460,7 @@ def _moe_decode_gate_up_kernel(
 def _moe_decode_down_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr, ws_ptr, lock_ptr,  #
     T, N, G, A,  #
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
+    stride_xm, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
@@ -478,8 +481,8 @@ def _moe_decode_down_kernel(
         e = tl.load(ids_ptr + entry).to(tl.int64)
         x_row = x_ptr + entry.to(tl.int64) * stride_xm
         p, _ = _gemv_step(x_row, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, mask_n,  #
-                          (i % steps) * BLOCK_G, G, stride_wn, stride_sn, BLOCK_G, True, False, 0,  #
-                          PAIRED)
+                          (i % steps) * BLOCK_G, G, stride_wn, stride_sk, stride_sn, BLOCK_G, True, False,  #
+                          0, PAIRED)
         out += tl.sum(p, axis=1) * (tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 4194304.0)
     last = True
     if SPLIT > 1:
@@ -488,6 +491,14 @@ def _moe_decode_down_kernel(
                                  SPLIT)
     if last:
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, bf16_rne(out, INTERPRET), mask=mask_n)
+
+
+def _scale_strides(scale: torch.Tensor, paired: bool) -> tuple[int, int, int]:
+    """(stride_sk, stride_se, stride_sn) of block scales: paired `[K/64, E', N, 4]` (`moe_tc.pair_scales`),
+    or standard `[E', N, K/16]` (no stride_sk)."""
+    if paired:
+        return scale.stride(0), scale.stride(1), scale.stride(2)
+    return 0, scale.stride(0), scale.stride(1)
 
 
 def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights,
@@ -510,7 +521,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
     _moe_decode_gate_up_kernel[(t * a, tiles, split)](
         h, w13, w.w13_scale, w.w13_tensor_scale, inter, ids, ws, locks,  #
         t * a, inter_n, d // 16, a,  #
-        h.stride(0), w13.stride(0), w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1),  #
+        h.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(w.w13_scale, w.paired),  #
         inter.stride(0),  #
         BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, PAIRED=w.paired, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=1,  #
@@ -523,7 +534,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
     _moe_decode_down_kernel[(t, tiles, split)](
         inter, w2, w.w2_scale, w.w2_tensor_scale, out, ids, rw, ws, locks,  #
         t, d, inter_n // 16, a,  #
-        inter.stride(0), w2.stride(0), w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1),  #
+        inter.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w.w2_scale, w.paired),  #
         out.stride(0),  #
         BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, PAIRED=w.paired, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=1,  #

@@ -35,10 +35,12 @@ def dequantize_experts(w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
         e, n, kb = packed.shape
         out = torch.empty((e, n, 2 * kb), dtype=torch.bfloat16, device=packed.device)
         rows_per_scale = n // ts[0].numel()  # gate and up matrices (w13) or the whole down matrix (w2)
-        dequant = dequantize_paired_rows if w.paired else dequantize_rows
-        dequant(
-            packed.view(e * n, kb), scale.reshape(e * n, -1), ts, rows_per_scale, out.view(e * n, -1)
-        )
+        if w.paired:  # scales [K/64, E', N, 4]: the experts' rows are one run of rows already
+            dequantize_paired_rows(packed.view(e * n, kb), scale.view(scale.shape[0], e * n, 4), ts,
+                                   rows_per_scale, out.view(e * n, -1))
+        else:
+            dequantize_rows(packed.view(e * n, kb), scale.reshape(e * n, -1), ts, rows_per_scale,
+                            out.view(e * n, -1))
         mats.append(out)
     return mats[0], mats[1]
 

@@ -21,7 +21,11 @@ MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]). A loop iter
 STEPS such blocks and loads a row's 16 STEPS code bytes in one load (STEPS 2: a whole 32-byte sector, by
 16-byte cp.async; as two 16-byte loads each used half a sector, and ncu counted 61% of the sectors the
 kernel fetched as excess) and its 2 STEPS block scales as 32-bit words, which Triton pipelines by
-cp.async with the codes. Loads of fewer than 4 bytes a thread it cannot pipeline: one-byte scale loads
+cp.async with the codes. The scales are repacked at load too (`pair_scales`: `[K/64, E', N, 4]`, a row's
+four scales of a 64-code block in one word, the words of adjacent rows adjacent), so a tile's scale
+loads are coalesced: row-major, each row's 4 bytes an iteration took a 32-byte sector of its own, as
+many sectors as the codes. The decode path and the grouped-GEMM dequantization read the same layout
+(`scale_offset`). Loads of fewer than 4 bytes a thread it cannot pipeline: one-byte scale loads
 stalled the warps on L1 (ncu on the H200, session 6), and a [64, 4]-byte load still gave each of 128
 threads 2 bytes, a synchronous `LDG.U16` plus a copy through shared memory (sm_90 SASS, session 7).
 Codes are split into blocks (`_halves`) and words into scales (shifts) in registers.
@@ -91,11 +95,29 @@ def pair_groups(packed: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(packed.shape)
 
 
+def pair_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales `uint8 [E', N, K/16]` -> the paired layout's `[ceil(K/64), E', N, 4]`: a row's four
+    scales of a 64-code block in one 32-bit word (zero-padded past K), the words of every row of every
+    expert adjacent, so that a tile's scale loads are coalesced (`scale_offset`)."""
+    e, n, g = scale.shape
+    padded = torch.zeros((e, n, triton.cdiv(g, 4) * 4), dtype=scale.dtype, device=scale.device)
+    padded[..., :g] = scale
+    return padded.view(e, n, -1, 4).permute(2, 0, 1, 3).contiguous()
+
+
+@triton.jit
+def scale_offset(rows, groups, stride_sk):
+    """Byte offset of the scale of 16-code group `groups` of row `rows` (of one expert) in the paired
+    layout (`pair_scales`; stride_sk = 4 E' N, the bytes of one 64-code block's words)."""
+    return (groups // 4) * stride_sk + rows * 4 + groups % 4
+
+
 def pair_moe_weights(w: MoEWeights) -> MoEWeights:
-    """`w` with both expert stacks in the paired layout, for `moe_experts_tc`."""
+    """`w` with both expert stacks (codes and block scales) in the paired layout, for `moe_experts_tc`."""
     if not w.nvfp4 or w.paired:
         raise ValueError("pair_moe_weights: expected NVFP4 experts in the standard layout")
-    return dataclasses.replace(w, w13=pair_groups(w.w13), w2=pair_groups(w.w2), paired=True)
+    return dataclasses.replace(w, w13=pair_groups(w.w13), w2=pair_groups(w.w2), w13_scale=pair_scales(
+        w.w13_scale), w2_scale=pair_scales(w.w2_scale), paired=True)
 
 
 def _ptx(sh_m: int, sh_s: int) -> str:
@@ -195,7 +217,7 @@ def _moe_tc_kernel(
     a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, route_w_ptr,  #
     sorted_ptr, block_expert_ptr, num_padded_ptr,  #
     NUMEL, N, K, A_DIV,  #
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,  #
+    stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr, GATE_UP: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
@@ -214,17 +236,18 @@ def _moe_tc_kernel(
     mask_n = rows < N
     j = tl.arange(0, 16)
     w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16 * STEPS)[None, :]
-    # an iteration's 2 STEPS block scales of a row are contiguous: loaded as WORDS words a row (s_ptr and its
-    # strides in words), 4 bytes a thread, which Triton pipelines by cp.async; as bytes a thread got 2 of
-    # STEPS 2's 4 and loaded them synchronously (sm_90 SASS), and byte loads stalled on L1 (ncu, H200)
+    # an iteration's 2 STEPS block scales of a row: WORDS words (`pair_scales`: one 32-bit word a row and
+    # 64-code block, rows adjacent; STEPS 1 a 16-bit half; s_ptr and its strides in words), 4 bytes a
+    # thread, which Triton pipelines by cp.async; as bytes a thread got 2 of STEPS 2's 4 and loaded them
+    # synchronously (sm_90 SASS), and byte loads stalled on L1 (ncu, H200)
     WORDS: tl.constexpr = 2 if STEPS == 4 else 1
-    s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, WORDS)[None, :]
+    s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + (tl.arange(0, WORDS) * stride_sk)[None, :]
     x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [16, BLOCK_M]: x^T
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     row_ok = mask_n[:, None]
     for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
-        s_off = k0 // (32 * STEPS) * WORDS
+        s_off = (k0 // 64) * stride_sk + (k0 // 32) % 2 if STEPS == 1 else (k0 // 64) * stride_sk
         sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS)
         bw = _iteration_blocks(tl.load(w_ptrs + k0 // 2, mask=row_ok, other=0), STEPS)
         sc_up = sc
@@ -263,12 +286,13 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
         raise ValueError(f"MoETCConfig: STEPS must be 1, 2 or 4, got {steps}")
     while k % (32 * steps):  # fewer blocks an iteration where K is not a multiple (K % 32 == 0 always)
         steps //= 2
-    st = st.view(torch.int16 if steps == 1 else torch.int32)  # the kernel's scale words
+    # the kernel's scale words: [K/64, E', N] of int32, or [K/64, E', N, 2] of int16 halves for STEPS 1
+    st = st.view(torch.int16) if steps == 1 else st.view(torch.int32).squeeze(-1)
     _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #
         sorted_ids, block_expert, num_padded,  #
         numel, n, k, a_div,  #
-        a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), out.stride(0),  #
+        a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), st.stride(2), out.stride(0),  #
         BLOCK_N=block_n, BLOCK_M=cfg.block_m, STEPS=steps, GATE_UP=gate_up, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=stages,  #
     )
@@ -278,10 +302,11 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
 def _dequant_paired_kernel(
     w_ptr, s_ptr, ts_ptr, out_ptr,  #
     N, PAIRS, TS_ROWS,  #
-    stride_wn, stride_sn, stride_on,  #
+    stride_wn, stride_sk, stride_on,  #
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
-    """Paired rows [BLOCK_N, BLOCK_P 32-code blocks] -> bf16 (as `nvfp4_gemm._nvfp4_dequant_kernel`)."""
+    """Paired rows [BLOCK_N, BLOCK_P 32-code blocks] -> bf16 (as `nvfp4_gemm._nvfp4_dequant_kernel`);
+    scales in the paired layout (`scale_offset`)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     j = tl.arange(0, 16)
@@ -289,7 +314,7 @@ def _dequant_paired_kernel(
     mask = mask_rp[:, :, None]
     byte = pairs[None, :, None] * 16 + j[None, None, :]  # [1, P, 16]
     b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask, other=0).to(tl.int32)
-    s_ptrs = s_ptr + rows[:, None] * stride_sn + 2 * pairs[None, :]
+    s_ptrs = s_ptr + scale_offset(rows[:, None], 2 * pairs[None, :], stride_sk)
     ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None, None] * 4194304.0
     kj = byte_k(j)
     for hi in tl.static_range(2):  # group A (low nibbles), then B
@@ -306,9 +331,13 @@ def dequantize_paired_rows(
     ts_rows: int,
     out: torch.Tensor,
 ) -> None:
-    """`nvfp4_gemm.dequantize_rows` for rows in the paired layout: `packed [N, K/2]`, `block_scale [N, K/16]`
-    (e4m3 bits) -> bf16 `out [N, K]`, row r times `tensor_scale.view(-1)[r // ts_rows]`."""
+    """`nvfp4_gemm.dequantize_rows` for rows in the paired layout: `packed [N, K/2]`, `block_scale [K/64, N,
+    4]` (`pair_scales`' layout, e4m3 bits; rows 4 bytes apart) -> bf16 `out [N, K]`, row r times
+    `tensor_scale.view(-1)[r // ts_rows]`."""
     n, kb = packed.shape
+    if block_scale.shape != (triton.cdiv(kb, 32), n, 4) or block_scale.stride()[1:] != (4, 1):
+        raise ValueError(f"dequantize_paired_rows: block_scale {tuple(block_scale.shape)}, expected "
+                         f"{(triton.cdiv(kb, 32), n, 4)} with rows 4 bytes apart (pair_scales)")
     block_n, block_p = (16, 4) if interpreting() else (32, 16)
     grid = (triton.cdiv(n, block_n), triton.cdiv(kb // 16, block_p))
     _dequant_paired_kernel[grid](

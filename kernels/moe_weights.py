@@ -19,8 +19,8 @@ class MoEWeights:
     router: torch.Tensor  # bf16 [E (+1 shared gate row), D]
     w13: torch.Tensor  # NVFP4 uint8 [E', 2I, D/2] or bf16 [E', 2I, D]
     w2: torch.Tensor  # NVFP4 uint8 [E', D, I/2] or bf16 [E', D, I]
-    w13_scale: torch.Tensor | None  # uint8 e4m3 bits [E', 2I, D/16]
-    w2_scale: torch.Tensor | None  # uint8 e4m3 bits [E', D, I/16]
+    w13_scale: torch.Tensor | None  # uint8 e4m3 bits [E', 2I, D/16] (paired: [D/64, E', 2I, 4])
+    w2_scale: torch.Tensor | None  # uint8 e4m3 bits [E', D, I/16] (paired: [ceil(I/64), E', D, 4])
     w13_tensor_scale: torch.Tensor | None  # fp32 [E', 2]
     w2_tensor_scale: torch.Tensor | None  # fp32 [E']
     num_experts: int  # routed experts E

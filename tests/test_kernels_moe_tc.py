@@ -12,7 +12,7 @@ from batchinfer.kernels.moe import (
     moe_route,
 )
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
-from batchinfer.kernels.moe_tc import BYTE_K, MoETCConfig, pair_groups, pair_moe_weights
+from batchinfer.kernels.moe_tc import BYTE_K, MoETCConfig, pair_groups, pair_moe_weights, pair_scales
 from test_kernels_moe import DEVICE, _rel, _route, _weights
 
 CFGS = [
@@ -37,6 +37,20 @@ def test_pairing_moves_every_code_to_its_slot():
         assert torch.equal(block[..., p] >> 4, codes[..., 1, k])
     with pytest.raises(ValueError, match="multiple of 32"):
         pair_groups(packed[..., :8])
+
+
+def test_paired_scales_put_a_rows_64_code_block_in_one_word_rows_adjacent():
+    """`pair_scales`: group g of row n of expert e at e 4N + (g // 4) 4 E N + 4 n + g % 4 (`scale_offset`
+    with the expert's base), zero-padded to a whole word where K is not a multiple of 64 codes."""
+    g = torch.Generator().manual_seed(2)
+    scale = torch.randint(1, 256, (3, 5, 6), dtype=torch.uint8, generator=g)  # K = 96 codes: 6 groups
+    paired = pair_scales(scale)
+    assert paired.shape == (2, 3, 5, 4)
+    flat = paired.reshape(-1)
+    e, n, grp = torch.meshgrid(torch.arange(3), torch.arange(5), torch.arange(6), indexing="ij")
+    offs = e * 4 * 5 + (grp // 4) * 4 * 3 * 5 + 4 * n + grp % 4
+    assert torch.equal(flat[offs], scale)
+    assert not paired[1, ..., 2:].any()  # groups 6 and 7: padding
 
 
 @pytest.mark.parametrize("cfg", CFGS)

@@ -299,8 +299,8 @@ def _moe_launches() -> Iterator[tuple]:
         _t(E, D),
         u8(E, 2 * I, D // 2),
         u8(E, D, I // 2),
-        u8(E, 2 * I, D // 16),
-        u8(E, D, I // 16),
+        u8(D // 64, E, 2 * I, 4),  # block scales in the paired layout (`moe_tc.pair_scales`)
+        u8(I // 64, E, D, 4),
         torch.ones(E, 2),
         torch.ones(E),
         E - 1,
@@ -315,7 +315,9 @@ def _moe_launches() -> Iterator[tuple]:
     tc = moe.MoETCConfig(16, moe.TC_TILE, moe.TC_TILE)
     yield "T=32 gate_up, BLOCK_M 16", moe_tc._moe_tc_kernel, lambda: run(32, tc)
     out = torch.empty(2 * I, D, dtype=torch.bfloat16)
-    dequant = lambda: moe_tc.dequantize_paired_rows(w.w13[0], w.w13_scale[0], w.w13_tensor_scale[0], I, out)
+    dequant = lambda: moe_tc.dequantize_paired_rows(
+        w.w13[0], w.w13_scale[:, 0], w.w13_tensor_scale[0], I, out
+    )
     yield "one expert's gate_up", moe_tc._dequant_paired_kernel, dequant
 
 
