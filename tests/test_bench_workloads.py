@@ -175,33 +175,10 @@ def test_cli_refuses_ambiguous_models(tmp_path):
     assert res.exit_code == 2 and "--preset draws random weights; say so with --random" in res.output
     res = runner.invoke(cli, ["bench", "run", "--workload", "single"])
     assert res.exit_code == 2 and "give exactly one of --model PATH or --preset NAME --random" in res.output
-    args = [
-        "bench",
-        "run",
-        "--workload",
-        "single",
-        "--preset",
-        "tiny-qwen3-moe",
-        "--random",
-        "--lock-sample",
-        "4",
-    ]
-    res = runner.invoke(cli, args)
+    base = ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3-moe", "--random"]
+    res = runner.invoke(cli, [*base, "--lock-sample", "4"])
     assert res.exit_code == 2 and "--lock-sample must be >= 16, got 4" in res.output
-    args = [
-        "bench",
-        "run",
-        "--workload",
-        "single",
-        "--preset",
-        "tiny-qwen3-moe",
-        "--random",
-        "--engine",
-        "reference",
-        "--refill-fraction",
-        "0.5",
-    ]
-    res = runner.invoke(cli, args)
+    res = runner.invoke(cli, [*base, "--engine", "reference", "--refill-fraction", "0.5"])
     assert res.exit_code == 2 and "--prefill-tokens/--refill-fraction apply to the fast engine" in res.output
     res = runner.invoke(
         cli, ["bench", "run", "--workload", "bogus", "--preset", "tiny-qwen3-moe", "--random"]

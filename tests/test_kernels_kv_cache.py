@@ -74,28 +74,13 @@ def test_store_kernel_on_the_interpreter():
     slots = torch.tensor([1, 0, 1, 0], dtype=torch.int32, device=DEV)
     pos = torch.tensor([2, 0, 0, 5], dtype=torch.int32, device=DEV)
 
+    # fmt: off
     def launch(kc, vc, ks, vs, fp8):
         kv_cache._store_kv_kernel[(4, 2)](
-            k,
-            v,
-            kc,
-            vc,
-            ks,
-            vs,
-            slots,
-            pos,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            kc.stride(0),
-            kc.stride(1),
-            kc.stride(2),
-            ks.stride(0),
-            ks.stride(1),
-            HEAD_DIM=32,
-            FP8=fp8,
+            k, v, kc, vc, ks, vs, slots, pos, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), HEAD_DIM=32, FP8=fp8,
         )
+    # fmt: on
 
     (kc, ks), (vc, vs) = _caches(2, 2, 6, 32, fp8=True), _caches(2, 2, 6, 32, fp8=True)
     launch(kc, vc, ks, vs, True)

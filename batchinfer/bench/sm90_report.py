@@ -43,6 +43,11 @@ from batchinfer.kernels import (
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import quantize_fp8
 
+# fmt: off
+_MODULES = (attention, causal_conv1d, fp8_gemm, gdn, gdn_chunk, kv_cache, moe, moe_align, moe_tc,
+            qk_norm_rope, sampling, small_ops)
+# fmt: on
+
 _PTR_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
@@ -60,23 +65,7 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     (args, kwargs) of `kernel`'s launch."""
     seen: dict[str, tuple[tuple, dict]] = {}
     kernels = {  # by identity: modules import each other's jitted helpers
-        id(k): k
-        for mod in (
-            attention,
-            causal_conv1d,
-            fp8_gemm,
-            gdn,
-            gdn_chunk,
-            kv_cache,
-            moe,
-            moe_align,
-            moe_tc,
-            qk_norm_rope,
-            sampling,
-            small_ops,
-        )
-        for k in vars(mod).values()
-        if isinstance(k, triton.JITFunction)
+        id(k): k for mod in _MODULES for k in vars(mod).values() if isinstance(k, triton.JITFunction)
     }.values()
     for k in kernels:
         k.run = lambda *args, grid, warmup, _k=k, **kwargs: seen.setdefault(_k.__name__, (args, kwargs))
@@ -266,28 +255,13 @@ def _kv_store_launches(Hkv: int, Dh: int) -> Iterator[tuple]:
     kc = torch.zeros(S, Hkv, L, Dh, dtype=torch.float8_e4m3fn)
     ks = torch.ones(S, Hkv, L)
     idx = torch.arange(T) % S
+    # fmt: off
     store = lambda: kv_cache._store_kv_kernel[(T, Hkv)](
-        k,
-        v,
-        kc,
-        kc,
-        ks,
-        ks,
-        idx,
-        idx,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        kc.stride(0),
-        kc.stride(1),
-        kc.stride(2),
-        ks.stride(0),
-        ks.stride(1),
-        HEAD_DIM=Dh,
-        FP8=True,
+        k, v, kc, kc, ks, ks, idx, idx, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), HEAD_DIM=Dh, FP8=True,
         num_warps=1 if Dh <= 128 else 2,
     )
+    # fmt: on
     yield f"Dh={Dh} FP8", kv_cache._store_kv_kernel, store
 
 
@@ -295,18 +269,11 @@ def _moe_launches() -> Iterator[tuple]:
     """Qwen3.6's experts in the engine's paired layout (257 with the shared one, D 2048, I 512)."""
     E, D, I = 257, 2048, 512
     u8 = lambda *shape: torch.zeros(*shape, dtype=torch.uint8)
-    w = MoEWeights(
-        _t(E, D),
-        u8(E, 2 * I, D // 2),
-        u8(E, D, I // 2),
-        u8(D // 64, E, 2 * I, 4),  # block scales in the paired layout (`moe_tc.pair_scales`)
-        u8(I // 64, E, D, 4),
-        torch.ones(E, 2),
-        torch.ones(E),
-        E - 1,
-        True,
-        paired=True,
-    )
+    # fmt: off
+    w = MoEWeights(_t(E, D), u8(E, 2 * I, D // 2), u8(E, D, I // 2),
+                   u8(D // 64, E, 2 * I, 4), u8(I // 64, E, D, 4),  # scales in `moe_tc.pair_scales`' layout
+                   torch.ones(E, 2), torch.ones(E), E - 1, True, paired=True)
+    # fmt: on
     ids = lambda t: (torch.arange(t * 9) % E).int().view(t, 9)
     run = lambda t, cfg: moe.moe_experts(_t(t, D), ids(t), torch.rand(t, 9), w, config=cfg)
     decode = lambda: run(8, moe._decode_config(72))

@@ -210,8 +210,8 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
 
 # Tensor-core MoE (`moe_tc`): BLOCK_M (tokens a tile), then (BLOCK_N, warps, stages, STEPS) per GEMM. BLOCK_N
 # 64 a warpgroup (the sm_90 TTGIR keeps the decoded weight in registers for 64 rows on 4 warps, 128 on 8);
-# STEPS (1, 2 or 4) 32-code blocks an iteration (4 was slower on the H200 when its scale split went through
-# shared memory; since 6b6d41c's register splits it does not, in the sm_90 compile: not yet timed).
+# STEPS (1, 2 or 4) 32-code blocks an iteration (4 was slower on the H200 in session 6, when its scale split
+# went through shared memory; now blocks and scale words split in registers, sm_90 compile: not yet timed).
 MOE_TC_TILES = [
     (64, 4, 3, 2),
     (64, 4, 3, 1),
