@@ -105,16 +105,18 @@ def _l2_rows(ptr, t, ok, stride_t, offs_k, k_ok, scale, PAD: tl.constexpr, INTER
 
 @triton.jit
 def _chunk_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr, qk_ptr,  #
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr, qk_ptr, g_ptr,  #
     HV_PER_K, q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
-    stride_wt, stride_wh, stride_qkt, stride_qkh,  #
+    stride_wt, stride_wh, stride_qkt, stride_qkh, stride_gt,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BT: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
 ):
     """Per (sequence, chunk, v-head): Tm = (I + A)^-1, W = Tm (beta e^G K) `[BT, DK]`, U0 = Tm (beta V),
-    and the chunk's decayed causal scores [exp(G_t - G_s) q_t . k_s]_{s <= t} `[BT, BT]` (computed here
-    once, not in each v-tile program of the sequential kernel)."""
+    the chunk's decayed causal scores [exp(G_t - G_s) q_t . k_s]_{s <= t} `[BT, BT]` (computed here
+    once, not in each v-tile program of the sequential kernel) and its cumulative gates G (fp32 `[T, Hv]`:
+    the sequential kernel loads 4 bytes a row, which cp.async pipelines, where recomputing them loaded
+    bf16 `a` synchronously in every chunk step, sm_90 SASS)."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
     _, h, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
     if live:
@@ -125,6 +127,7 @@ def _chunk_prep_kernel(
         kd = _l2_rows(k_ptr + (h // HV_PER_K) * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD,
                       INTERPRET)
         beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
+        tl.store(g_ptr + t * stride_gt + h, G, mask=ok)
         lower = rows[:, None] > rows[None, :]
         A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
         A = A * _dot(kd, tl.trans(kd), INTERPRET)
@@ -153,10 +156,10 @@ def _chunk_prep_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, state_ptr, slot_ptr, cu_ptr, past_ptr,  #
+    k_ptr, g_ptr, w_ptr, u_ptr, state_ptr, slot_ptr, cu_ptr, past_ptr,  #
     base_ptr, h_ptr, vn_ptr,  #
     HV_PER_K,  #
-    stride_kt, stride_kh, stride_at, stride_bt, stride_wt, stride_wh,  #
+    stride_kt, stride_kh, stride_gt, stride_wt, stride_wh,  #
     stride_hc, stride_hh, stride_hk, stride_ss, stride_sh, stride_sk,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr,  #
     CONTINUE: tl.constexpr, INTERPRET: tl.constexpr,  #
@@ -175,8 +178,6 @@ def _chunk_state_kernel(
     rows = tl.arange(0, BT)
     start = tl.load(cu_ptr + seq).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     S = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
     if CONTINUE:
         if tl.load(past_ptr + seq) > 0:
@@ -192,8 +193,8 @@ def _chunk_state_kernel(
         t = c0 + rows
         ok = t < end
         kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
-        _, G = _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias)
-        g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), axis=0)  # padded rows add 0 to G
+        G = tl.load(g_ptr + t * stride_gt + h, mask=ok, other=0.0)  # the prep launch's cumulative gates
+        g_last = tl.sum(tl.where(rows == tl.minimum(end - c0, BT) - 1, G, 0.0), axis=0)  # the last real row
         row_off = t[:, None] * stride_wt + h * stride_wh
         w = tl.load(w_ptr + row_off + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
         u0 = tl.load(u_ptr + row_off + offs_v[None, :], mask=_tile_mask(ok, v_ok, PAD), other=0.0)
@@ -282,19 +283,20 @@ def chunk_gated_delta_rule(
     states = torch.empty((T // BT + N, Hv, Dk, Dv), dtype=k.dtype, device=k.device)  # entering each chunk
     u = torch.empty((T, Hv, Dv), dtype=k.dtype, device=k.device)
     grid = (N, triton.cdiv(max(max_seqlen, 1), BT), Hv)
+    gates = torch.empty((T, Hv), dtype=torch.float32, device=v.device)
     _chunk_prep_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, cu_seqlens, w, u0, qk,
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, w, u0, qk, gates,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), b.stride(0), w.stride(0), w.stride(1), qk.stride(0), qk.stride(1),
+        a.stride(0), b.stride(0), w.stride(0), w.stride(1), qk.stride(0), qk.stride(1), gates.stride(0),
         DK=Dk, DV=Dv, BLOCK_K=block_k, BLOCK_DV=block_k, BT=BT, INTERPRET=interpreting(),
         num_warps=cfg["prep_warps"],
     )
     _chunk_state_kernel[(N, Hv, triton.cdiv(Dv, BV))](
-        k, a, b, A_log, dt_bias, w, u0, state, slot_ids, cu_seqlens, slot_ids if past is None else past,
+        k, gates, w, u0, state, slot_ids, cu_seqlens, slot_ids if past is None else past,
         base, states, u,
         Hv // Hk,
-        k.stride(0), k.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1),
+        k.stride(0), k.stride(1), gates.stride(0), w.stride(0), w.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         state.stride(0), state.stride(1), state.stride(2),
         DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, CONTINUE=past is not None,
