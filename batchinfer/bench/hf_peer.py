@@ -3,7 +3,8 @@
 transformers runs dense weights only, so quantized linears are dequantized into its bf16 (GPU) or
 fp32 (CPU) parameters: the peer runs what HF eager can run of the same model. Requests of equal prompt
 and output length go through one `generate` call (no padding, so no padding semantics to argue about);
-`single` and `conc32` are one call each. transformers is a test extra, imported only here.
+`single` and `conc32` are one call each, after an untimed warm-up call as our engine gets one.
+transformers is a test extra, imported only here.
 """
 
 from __future__ import annotations
@@ -88,6 +89,14 @@ class HfPeer:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         }
+
+    def warmup(self, prompts: Sequence[Sequence[int]], out_lens: Sequence[int]) -> None:
+        """Untimed, as the fast engine's (`bench/e2e.py`): 2 tokens for the prompts of the first prompt's
+        length, batched as the timed call batches them, so that one-time work (fla-core's Triton kernels
+        compile and autotune on first use: 38.6 s of the first `single` TTFT on the H200, session 7) is
+        not counted as the peer's speed."""
+        rows = [p for p in prompts if len(p) == len(prompts[0])]
+        self.generate_ids(rows, [SamplingParams(max_tokens=2, ignore_eos=True)] * len(rows), lambda t: None)
 
     def generate_ids(
         self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], on_step: StepCallback
