@@ -93,8 +93,8 @@ class HfPeer:
     def warmup(self, prompts: Sequence[Sequence[int]], out_lens: Sequence[int]) -> None:
         """Untimed, as the fast engine's (`bench/e2e.py`): 2 tokens for the prompts of the first prompt's
         length, batched as the timed call batches them, so that one-time work (fla-core's Triton kernels
-        compile and autotune on first use: 38.6 s of the first `single` TTFT on the H200, session 7) is
-        not counted as the peer's speed."""
+        compile and autotune on first use; without a warm-up the peer's Qwen3.6 `single` TTFT was 38.6 s
+        on the H200, session 7, where Qwen3-30B's, with no fla, was 1.1 s) is not counted as its speed."""
         rows = [p for p in prompts if len(p) == len(prompts[0])]
         self.generate_ids(rows, [SamplingParams(max_tokens=2, ignore_eos=True)] * len(rows), lambda t: None)
 
