@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 from batchinfer.kernels import small_ops
-from batchinfer.kernels.kv_cache import dequantize_kv
+from batchinfer.kernels.kv_cache import cache_scales, dequantize_kv
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
 _LOG2E = 1.4426950408889634
@@ -296,27 +296,6 @@ def _check_heads(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
                          f"strides {t.stride()}")
 
 
-def _cache_scales(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
-) -> tuple[bool, torch.Tensor, torch.Tensor]:
-    """(FP8?, k scales, v scales) of a cache pair: an FP8 cache needs contiguous fp32 scales
-    `[slots, Hkv, max_len]` (one layout for both), a bf16 one none (k_cache stands in, unused)."""
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
-        raise ValueError(f"k_cache/v_cache: expected both bfloat16 or both float8_e4m3fn, got "
-                         f"{k_cache.dtype} and {v_cache.dtype}")
-    if not fp8:
-        if k_scale is not None or v_scale is not None:
-            raise ValueError("k_scale/v_scale: a bf16 cache has no scales")
-        return False, k_cache, k_cache
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t is None or t.shape != k_cache.shape[:3] or t.dtype != torch.float32 or not t.is_contiguous():
-            got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
-            raise ValueError(f"{name}: an FP8 cache needs contiguous float32 {tuple(k_cache.shape[:3])}, "
-                             f"got {got}")
-    return True, k_scale, v_scale  # type: ignore[return-value]
-
-
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     gate: torch.Tensor | None = None, scale: float | None = None, config: dict[str, int] | None = None,
@@ -351,7 +330,7 @@ def prefill_attention_cached(
     for name, t in (("slot_ids", slot_ids), ("past", past)):
         if t.shape != (N,) or t.dtype != torch.int32:
             raise ValueError(f"{name}: expected int32 [{N}] (one per chunk), got {t.dtype} {tuple(t.shape)}")
-    scales = _cache_scales(k_cache, v_cache, k_scale, v_scale)
+    scales = cache_scales(k_cache, v_cache, k_scale, v_scale)
     return _launch_prefill(q, k_cache, v_cache, cu_seqlens, slot_ids, past, max_seqlen, gate, scale, config,
                            scales)
 
@@ -362,7 +341,7 @@ def _launch_prefill(
     scale: float | None, config: dict[str, int] | None, scales: tuple[bool, torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """`k, v`: packed `[T, Hkv, Dh]`, or the cache `[slots, Hkv, max_len, Dh]` when `slot_ids` is given;
-    `scales`: (FP8?, k scales, v scales) from `_cache_scales`."""
+    `scales`: (FP8?, k scales, v scales) from `kv_cache.cache_scales`."""
     T, H, Dh = q.shape
     Hkv = k.shape[1]
     _check_heads("q", q, (T, H, Dh))
@@ -415,7 +394,7 @@ def decode_attention(
                          f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
     if H % Hkv:
         raise ValueError(f"q: {H} heads is not a multiple of the cache's {Hkv} kv heads")
-    fp8, k_sc, v_sc = _cache_scales(k_cache, v_cache, k_scale, v_scale)
+    fp8, k_sc, v_sc = cache_scales(k_cache, v_cache, k_scale, v_scale)
     cfg = dict(config or _decode_configs(Dh, fp8))
     min_split = cfg.pop("MIN_SPLIT")
     max_seqlen = max_len if max_seqlen is None else max_seqlen

@@ -63,6 +63,28 @@ def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
+def cache_scales(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(FP8?, k scales, v scales) of a cache pair, checked for the store and the attention kernels: an FP8
+    cache needs contiguous fp32 scales `[slots, Hkv, max_len]` on its device, a bf16 one none (k_cache
+    then stands in for both, unused)."""
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in KV_DTYPES.values():
+        raise ValueError(f"k_cache/v_cache: expected both bfloat16 or both float8_e4m3fn, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype != torch.float8_e4m3fn:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale/v_scale: a bf16 cache has no scales")
+        return False, k_cache, k_cache
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if (t is None or t.shape != k_cache.shape[:3] or t.dtype != torch.float32 or not t.is_contiguous()
+                or t.device != k_cache.device):
+            got = "None" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise ValueError(f"{name} {got}: an FP8 cache needs its scales, expected contiguous float32 "
+                             f"{tuple(k_cache.shape[:3])} on {k_cache.device}")
+    return True, k_scale, v_scale  # type: ignore[return-value]
+
+
 def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """A cache (or part of one) as fp32 values: FP8 codes times their rows' scales, bf16 as is."""
     if scale is None:
@@ -84,7 +106,6 @@ def store_kv(
     :, `positions[t]`); FP8 caches (`float8_e4m3fn`) need `k_scale, v_scale [S, Hkv, L]` (fp32), written
     alongside. `slots` and `positions` are integer `[T]` on the caches' device. One launch, no host sync
     (CUDA-graph safe)."""
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     t, hkv, dh = k.shape
     for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if x.shape != k.shape or cache.dim() != 4 or cache.shape[1] != hkv or cache.shape[3] != dh:
@@ -92,13 +113,7 @@ def store_kv(
                              f"{tuple(x.shape)}")
     if (v_cache.dtype, v_cache.shape, v_cache.stride()) != (k_cache.dtype, k_cache.shape, k_cache.stride()):
         raise ValueError("store_kv: k_cache and v_cache need one dtype, shape and layout")
-    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
-        raise ValueError("store_kv: an FP8 cache needs its scales, a bf16 cache has none")
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is not None and (scale.shape != k_cache.shape[:3] or scale.dtype != torch.float32
-                                  or not scale.is_contiguous() or scale.device != k_cache.device):
-            raise ValueError(f"store_kv: {name} {tuple(scale.shape)} {scale.dtype}, expected contiguous "
-                             f"{tuple(k_cache.shape[:3])} float32 on {k_cache.device}")
+    fp8, ks, vs = cache_scales(k_cache, v_cache, k_scale, v_scale)
     for name, idx in (("slots", slots), ("positions", positions)):
         if idx.shape != (t,) or idx.device != k_cache.device or idx.is_floating_point():
             raise ValueError(f"store_kv: {name} {idx.dtype} {tuple(idx.shape)} on {idx.device}, expected "
@@ -107,16 +122,14 @@ def store_kv(
         return
     if not k.is_cuda:  # the interpreter's E4M3 cast is not PyTorch's: quantize and scatter with torch
         s, p = slots.long(), positions.long()
-        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        for x, cache, scale in ((k, k_cache, ks), (v, v_cache, vs)):
             if fp8:
-                cache[s, :, p], scale[s, :, p] = quantize_kv_ref(x)  # type: ignore[index]
+                cache[s, :, p], scale[s, :, p] = quantize_kv_ref(x)
             else:
                 cache[s, :, p] = x.to(cache.dtype)
         return
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or dh & (dh - 1):
         raise ValueError(f"store_kv: contiguous last dims of a power of two expected, got {tuple(k.shape)}")
-    ks = k_scale if k_scale is not None else k_cache  # unused without FP8
-    vs = v_scale if v_scale is not None else v_cache
     _store_kv_kernel[(t, hkv)](
         k, v, k_cache, v_cache, ks, vs, slots, positions,  #
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),  #
