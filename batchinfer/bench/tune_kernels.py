@@ -212,16 +212,10 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
 # 64 a warpgroup (the sm_90 TTGIR keeps the decoded weight in registers for 64 rows on 4 warps, 128 on 8);
 # STEPS (1, 2 or 4) 32-code blocks an iteration (4 was slower on the H200 in session 6, when its scale split
 # went through shared memory; now blocks and scale words split in registers, sm_90 compile: not yet timed).
-MOE_TC_TILES = [
-    (64, 4, 3, 2),
-    (64, 4, 3, 1),
-    (64, 4, 3, 4),
-    (64, 4, 2, 4),
-    (64, 4, 4, 2),
-    (64, 4, 2, 2),
-    (128, 8, 3, 2),
-    (128, 8, 3, 1),
-]
+# fmt: off
+MOE_TC_TILES = [(64, 4, 3, 2), (64, 4, 3, 1), (64, 4, 3, 4), (64, 4, 2, 4), (64, 4, 4, 2), (64, 4, 2, 2),
+                (128, 8, 3, 2), (128, 8, 3, 1)]
+# fmt: on
 # BLOCK_M 128 (a wgmma N of 128: each decoded code serves twice the tokens of 64) for prefill sizes, where
 # grouped_mm still wins; sm_90 compile: no spills (gate_up 254 registers at 4 warps, 242 at 8).
 MOE_TC_BLOCK_M = (16, 32, 64, 128)

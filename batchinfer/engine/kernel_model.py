@@ -100,6 +100,13 @@ class SlotState:
     k_scale: list[torch.Tensor | None]  # [slots, Hkv, max_len] fp32 with an FP8 cache, else None
     v_scale: list[torch.Tensor | None]
 
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """An attention layer's (K cache, V cache, K scales, V scales); the scales None for a bf16 cache."""
+        k, v = self.k[layer], self.v[layer]
+        if k is None or v is None:
+            raise ValueError(f"layer {layer} is not an attention layer: it has no KV cache")
+        return k, v, self.k_scale[layer], self.v_scale[layer]
+
     @property
     def max_len(self) -> int:
         return next(t.shape[2] for t in self.k if t is not None) if any(t is not None for t in self.k) else 0
@@ -207,9 +214,9 @@ class KernelModel:
         """Bytes of state one slot holds with room for `max_len` tokens."""
         c = self.config
         total = 0
+        fp8 = self.kv_cache == torch.float8_e4m3fn
         for kind in c.layer_types:
             if kind == "full_attention":  # K and V, with a fp32 scale per token and head if FP8
-                fp8 = self.kv_cache == torch.float8_e4m3fn
                 total += 2 * c.num_key_value_heads * max_len * (c.head_dim * self.kv_cache.itemsize + 4 * fp8)
             else:
                 total += (c.linear_conv_kernel_dim - 1) * self._conv_dim * 2
@@ -271,22 +278,13 @@ class KernelModel:
             )
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
-                kc, vc, ks, vs = state.k[i], state.v[i], state.k_scale[i], state.v_scale[i]
-                store_kv(k, v, kc, vc, ks, vs, token_slots, positions)  # type: ignore[arg-type]
+                kc, vc, ks, vs = state.kv(i)
+                store_kv(k, v, kc, vc, ks, vs, token_slots, positions)
                 if past is None:  # a fresh prompt attends to its own bf16 K/V, whatever the cache keeps
                     o = prefill_attention(q, k, v, cu_seqlens, max_seqlen, gate=gate)
                 else:
                     o = prefill_attention_cached(
-                        q,
-                        kc,
-                        vc,
-                        cu_seqlens,
-                        slots,
-                        past,
-                        max_seqlen,  # type: ignore[arg-type]
-                        gate=gate,
-                        k_scale=ks,
-                        v_scale=vs,
+                        q, kc, vc, cu_seqlens, slots, past, max_seqlen, gate=gate, k_scale=ks, v_scale=vs
                     )
                 h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
             else:
@@ -338,9 +336,9 @@ class KernelModel:
             )
             if isinstance(layer.mixer, AttentionWeights):
                 q, k, v, gate = self._qkv(h, layer.mixer, positions)
-                kc, vc, ks, vs = state.k[i], state.v[i], state.k_scale[i], state.v_scale[i]
-                store_kv(k, v, kc, vc, ks, vs, slot_idx, pos_idx)  # type: ignore[arg-type]
-                o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)  # type: ignore[arg-type]
+                kc, vc, ks, vs = state.kv(i)
+                store_kv(k, v, kc, vc, ks, vs, slot_idx, pos_idx)
+                o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)
                 h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
             else:
                 h = self._deltanet(h, layer.mixer, state, i, slots, None, 1)
