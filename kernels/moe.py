@@ -86,9 +86,16 @@ DECODE_MAX_PER_EXPERT = 0.35
 # (timed on the H200 at 2f6bc72, docs/PERF_KERNELS.md).
 GROUPED_MM_MIN_ENTRIES = 8192
 TC_GROUPED_MM_MIN_PER_EXPERT = 160
-# `moe_tc`'s tiles (BLOCK_N, warps, stages, STEPS) for both GEMMs at every BLOCK_M of the table
-# (`tune_kernels --kinds moe_tc` on the H200, session 6).
-TC_TILE = (64, 4, 3, 2)
+# `moe_tc`'s tiles (BLOCK_N, warps, stages, STEPS) for both GEMMs, by BLOCK_M. H200, session 8 (8098761,
+# docs/PERF_KERNELS.md): STEPS 4 took a Qwen3.6 layer from 226.6 to 193.2 us at 32 tokens (BLOCK_M 16) and
+# 350.2 to 291.4 at 128 (32); at BLOCK_M 64 it is 1% faster at 512 tokens and 1% slower at 2,048.
+TC_TILES = {16: (64, 4, 3, 4), 32: (64, 4, 3, 4), 64: (64, 4, 3, 2), 128: (64, 4, 3, 2)}
+
+
+def tc_config(block_m: int) -> MoETCConfig:
+    """`moe_tc` at BLOCK_M with its tiles from TC_TILES."""
+    return MoETCConfig(block_m, TC_TILES[block_m], TC_TILES[block_m])
+
 
 MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig | MoETCConfig
 
@@ -109,10 +116,10 @@ def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool =
         if avg >= TC_GROUPED_MM_MIN_PER_EXPERT:
             return MoEGroupedMMConfig()
         if avg <= 2:
-            return MoETCConfig(16, TC_TILE, TC_TILE)
+            return tc_config(16)
         if avg <= 16:
-            return MoETCConfig(32, TC_TILE, TC_TILE)
-        return MoETCConfig(64, TC_TILE, TC_TILE)
+            return tc_config(32)
+        return tc_config(64)
     if nvfp4 and numel <= DECODE_MAX_ENTRIES:
         return _decode_config(numel)
     if numel >= GROUPED_MM_MIN_ENTRIES and not interpreting():

@@ -279,7 +279,7 @@ def _moe_launches() -> Iterator[tuple]:
     decode = lambda: run(8, moe._decode_config(72))
     yield "T=8 paired", moe._moe_decode_gate_up_kernel, decode
     yield "T=8 paired", moe._moe_decode_down_kernel, decode
-    tc = moe.MoETCConfig(16, moe.TC_TILE, moe.TC_TILE)
+    tc = moe.tc_config(16)
     yield "T=32 gate_up, BLOCK_M 16", moe_tc._moe_tc_kernel, lambda: run(32, tc)
     out = torch.empty(2 * I, D, dtype=torch.bfloat16)
     dequant = lambda: moe_tc.dequantize_paired_rows(

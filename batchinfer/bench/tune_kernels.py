@@ -26,7 +26,6 @@ from batchinfer.bench.kernels import bench_models, rotating_sets, time_per_call
 from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm
 from batchinfer.kernels.moe import (
     DECODE_MAX_ENTRIES,
-    TC_TILE,
     MoEConfig,
     MoEDecodeConfig,
     MoEGroupedMMConfig,
@@ -35,6 +34,7 @@ from batchinfer.kernels.moe import (
     _moe_configs,
     moe_experts,
     moe_route,
+    tc_config,
 )
 from batchinfer.kernels.moe_tc import MoETCConfig, pair_moe_weights
 from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
@@ -210,8 +210,8 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
 
 # Tensor-core MoE (`moe_tc`): BLOCK_M (tokens a tile), then (BLOCK_N, warps, stages, STEPS) per GEMM. BLOCK_N
 # 64 a warpgroup (the sm_90 TTGIR keeps the decoded weight in registers for 64 rows on 4 warps, 128 on 8);
-# STEPS (1, 2 or 4) 32-code blocks an iteration (4 was slower on the H200 in session 6, when its scale split
-# went through shared memory; now blocks and scale words split in registers, sm_90 compile: not yet timed).
+# STEPS (1, 2 or 4) 32-code blocks an iteration (session 8, H200: 4 is fastest at BLOCK_M 16 and 32, 2 at 64;
+# kernels/moe.py TC_TILES).
 # fmt: off
 MOE_TC_TILES = [(64, 4, 3, 2), (64, 4, 3, 1), (64, 4, 3, 4), (64, 4, 2, 4), (64, 4, 4, 2), (64, 4, 2, 2),
                 (128, 8, 3, 2), (128, 8, 3, 1)]
@@ -265,7 +265,7 @@ def time_moe_paths(model: str, t: int, dev: torch.device) -> dict:
     run = _skipping_failures(timer)
     paths: dict[str, MoEPath] = {"decode": _decode_config(numel)} if numel <= DECODE_MAX_ENTRIES else {}
     for bm in MOE_TC_BLOCK_M:
-        paths[f"moe_tc{bm}"] = MoETCConfig(bm, TC_TILE, TC_TILE)
+        paths[f"moe_tc{bm}"] = tc_config(bm)
     paths["grouped_mm"] = MoEGroupedMMConfig()
     table = _moe_configs(numel, experts, paired=True)
     return {
