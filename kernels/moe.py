@@ -81,11 +81,15 @@ class MoEDecodeConfig:
 DECODE_MAX_ENTRIES = 288
 DECODE_MAX_PER_EXPERT = 0.35
 # Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill),
-# against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) entries an expert:
-# `moe_tc` wins at 143 (Qwen3.6, 4,096 tokens) and 128 (Qwen3-30B, 2,048), grouped_mm at 215 and 192
-# (timed on the H200 at 2f6bc72, docs/PERF_KERNELS.md).
+# against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) entries an expert.
+# H200, session 9 (the decode to bf16 at 2.6 TB/s, docs/PERF_KERNELS.md): `moe_tc` at BLOCK_M 128 wins at
+# 143 (Qwen3.6, 4,096 tokens: 1,263 against 1,776 us) and 256 (Qwen3-30B: 1,484 against 1,589), ties at
+# 287 (Qwen3.6, 8,192), and grouped_mm wins at 512 and 574 (by 23% and 26%).
 GROUPED_MM_MIN_ENTRIES = 8192
-TC_GROUPED_MM_MIN_PER_EXPERT = 160
+TC_GROUPED_MM_MIN_PER_EXPERT = 288
+# Up to this many entries an expert `moe_tc` takes BLOCK_M 64, above it 128: at 64 the two tie (Qwen3-30B,
+# 1,024 tokens), at 128 BLOCK_M 128 is 21% faster (2,048 tokens).
+TC_BLOCK_M_64_MAX_PER_EXPERT = 96
 # `moe_tc`'s tiles (BLOCK_N, warps, stages, STEPS) for both GEMMs, by BLOCK_M. H200, session 8 (8098761,
 # docs/PERF_KERNELS.md): STEPS 4 took a Qwen3.6 layer from 226.6 to 193.2 us at 32 tokens (BLOCK_M 16) and
 # 350.2 to 291.4 at 128 (32); at BLOCK_M 64 it is 1% faster at 512 tokens and 1% slower at 2,048.
@@ -119,7 +123,7 @@ def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool =
             return tc_config(16)
         if avg <= 16:
             return tc_config(32)
-        return tc_config(64)
+        return tc_config(64 if avg <= TC_BLOCK_M_64_MAX_PER_EXPERT else 128)
     if nvfp4 and numel <= DECODE_MAX_ENTRIES:
         return _decode_config(numel)
     if numel >= GROUPED_MM_MIN_ENTRIES and not interpreting():

@@ -136,7 +136,7 @@ def test_paired_experts_decode_to_the_same_bf16():
 
 def test_paired_experts_follow_the_timed_table(monkeypatch):
     """Paired experts (the engine's): the decode path up to ~0.35 entries an expert, `moe_tc` above, then
-    grouped_mm from ~160 entries an expert, the crossovers timed on the H200 at both models' widths."""
+    grouped_mm from ~290 entries an expert, the crossovers timed on the H200 at both models' widths."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
     assert isinstance(moe._moe_configs(72, 257, paired=True), MoEDecodeConfig)  # Qwen3.6, T=8
     assert isinstance(moe._moe_configs(108, 257, paired=True), MoETCConfig)  # T=12
@@ -145,10 +145,13 @@ def test_paired_experts_follow_the_timed_table(monkeypatch):
     assert isinstance(moe._moe_configs(64, 128, paired=True), MoETCConfig)  # T=8
     assert moe._moe_configs(2304, 257, paired=True).block_m == 32  # T=256
     assert isinstance(moe._moe_configs(18432, 257, paired=True), MoETCConfig)  # T=2048
-    assert isinstance(moe._moe_configs(36864, 257, paired=True), MoETCConfig)  # T=4096
-    assert isinstance(moe._moe_configs(55296, 257, paired=True), MoEGroupedMMConfig)  # T=6144
-    assert isinstance(moe._moe_configs(16384, 128, paired=True), MoETCConfig)  # Qwen3-30B, T=2048
-    assert isinstance(moe._moe_configs(24576, 128, paired=True), MoEGroupedMMConfig)  # T=3072
+    assert moe._moe_configs(18432, 257, paired=True).block_m == 64
+    assert moe._moe_configs(36864, 257, paired=True).block_m == 128  # T=4096
+    assert isinstance(moe._moe_configs(73728, 257, paired=True), MoETCConfig)  # T=8192: a tie
+    assert isinstance(moe._moe_configs(110592, 257, paired=True), MoEGroupedMMConfig)  # T=12288
+    assert moe._moe_configs(16384, 128, paired=True).block_m == 128  # Qwen3-30B, T=2048
+    assert isinstance(moe._moe_configs(32768, 128, paired=True), MoETCConfig)  # T=4096
+    assert isinstance(moe._moe_configs(65536, 128, paired=True), MoEGroupedMMConfig)  # T=8192
 
 
 def test_paired_experts_run_moe_tc_by_default():
@@ -194,10 +197,20 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
         MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2)),
         MoETCConfig(32, (128, 8, 3, 1), (128, 8, 3, 1)),
         MoETCConfig(16, (64, 4, 3, 4), (64, 4, 3, 4)),
+        moe.tc_config(128),
     )
     for cfg in cfgs:
         out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
         assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("e", "d", "i", "shared"), [(256, 2048, 512, True), (128, 2048, 768, False)])
+def test_paired_experts_decode_to_the_same_bf16_real_shapes(e, d, i, shared):
+    w = _weights(e, d, i, True, shared, seed=e)
+    for ours, theirs in zip(dequantize_experts(pair_moe_weights(w)), dequantize_experts(w), strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def _run_ptx(ptx: str, src: int) -> tuple[int, int]:
