@@ -11,13 +11,15 @@ Per chunk of BT tokens with inclusive log-decay cumsum G, the WY form of the del
 Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, or from their slot's state for
 later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Three launches, as in FLA:
 `_chunk_prep_kernel` does everything that depends on neither S nor the other chunks, for all chunks at once
-(Tm by forward substitution, W = Tm (beta exp(G) K), U0 = Tm (beta V) and the decayed causal scores of Q K^T,
+(Tm by forward substitution in the 16 x 16 diagonal blocks, then a short Neumann series for the
+blocks below them, W = Tm (beta exp(G) K), U0 = Tm (beta V) and the decayed causal scores of Q K^T,
 kept in bf16 workspaces); `_chunk_state_kernel` walks each sequence's chunks in order (one program per
 (sequence, v-head, v-tile), the state in registers) and does only U = U0 - W S and the state update, writing
 U and the state entering each chunk (bf16); `_chunk_out_kernel` then computes every chunk's outputs at once,
 O = exp(G) (Q S) + scores U. Head dims that are not powers of two (the demo model's 48) run in tiles padded
 to the next one (at least 16, for the dots), zero-filled by masks that only padded shapes compile. Numerics:
-Tm and the state in fp32; dot operands in the input dtype (bf16) with fp32 accumulation, as FLA does;
+Tm and the state in fp32; the dots that apply Tm in tf32, the others with operands in the input dtype (bf16),
+all with fp32 accumulation;
 expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative. Under the Triton CPU interpreter (`INTERPRET`,
 set by the launcher) the dots take fp32 operands and the bf16 casts round to nearest explicitly, working
 around Triton 3.9's interpreter; compiled code is unchanged.
@@ -104,6 +106,45 @@ def _l2_rows(ptr, t, ok, stride_t, offs_k, k_ok, scale, PAD: tl.constexpr, INTER
 
 
 @triton.jit
+def _dot_tf32(a, b, INTERPRET: tl.constexpr):
+    """a @ b of fp32 tiles on the tf32 tensor cores (10-bit mantissas: 4x finer than bf16 operands)."""
+    if INTERPRET:
+        out = tl.dot(a, b)
+    else:
+        out = tl.dot(a, b, input_precision="tf32")
+    return out
+
+
+@triton.jit
+def _block_diag_inverse(A, BT: tl.constexpr, SUB: tl.constexpr):
+    """(I + D)^-1 `[BT, BT]` fp32, D the SUB x SUB diagonal blocks of the strictly lower A: forward
+    substitution in all blocks at once, SUB - 1 steps on `[BT / SUB, SUB, SUB]` (one step a row of the
+    whole chunk took most of the prefill's DeltaNet time: 63 dependent reductions over `[64, 64]`)."""
+    NB: tl.constexpr = BT // SUB
+    r = tl.arange(0, SUB)
+    nb = tl.arange(0, NB)
+    diag = nb[:, None, None, None] == nb[None, None, :, None]  # [NB, 1, NB, 1]: block (b, b)
+    D = tl.sum(tl.where(diag, tl.reshape(A, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
+    ri = r[None, :, None]
+    T = tl.where(ri == r[None, None, :], 1.0, 0.0) + tl.zeros((NB, SUB, SUB), tl.float32)
+    for i in range(1, SUB):  # row i = e_i - D[i, :i] T[:i], in every block
+        d_row = tl.sum(tl.where(ri == i, D, 0.0), axis=1)  # [NB, SUB]
+        new = tl.where(r[None, :] == i, 1.0, -tl.sum(d_row[:, :, None] * T, axis=1))
+        T = tl.where(ri == i, new[:, None, :], T)
+    return tl.reshape(tl.where(diag, T[:, :, None, :], 0.0), (BT, BT))
+
+
+@triton.jit
+def _apply_inverse(Td, N, x, NB: tl.constexpr, INTERPRET: tl.constexpr):
+    """(I + A)^-1 x = sum over m < NB of (-N)^m Td x, by Horner's rule (fp32, tf32 dots)."""
+    z = _dot_tf32(Td, x, INTERPRET)
+    w = z
+    for _ in tl.static_range(NB - 1):
+        w = z - _dot_tf32(N, w, INTERPRET)
+    return w
+
+
+@triton.jit
 def _chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr, qk_ptr, g_ptr,  #
     HV_PER_K, q_scale,  #
@@ -118,6 +159,7 @@ def _chunk_prep_kernel(
     the sequential kernel loads 4 bytes a row, which cp.async pipelines, where recomputing them loaded
     bf16 `a` synchronously in every chunk step, sm_90 SASS)."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
+    SUB: tl.constexpr = 16  # the diagonal blocks `_block_diag_inverse` inverts
     _, h, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
     if live:
         offs_k = tl.arange(0, BLOCK_K)
@@ -131,27 +173,25 @@ def _chunk_prep_kernel(
         lower = rows[:, None] > rows[None, :]
         A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
         A = A * _dot(kd, tl.trans(kd), INTERPRET)
-        Tm = (rows[:, None] == rows[None, :]).to(tl.float32)  # row i = e_i - A[i, :i] Tm[:i]
-        for i in range(1, BT):
-            a_row = tl.sum(tl.where(rows[:, None] == i, A, 0.0), axis=0)  # [BT]
-            new = tl.where(rows == i, 1.0, -tl.sum(a_row[:, None] * Tm, axis=0))
-            Tm = tl.where(rows[:, None] == i, new[None, :], Tm)
-        Td = small_ops._to(Tm, kd.dtype, INTERPRET)
-        w = _dot(Td, small_ops._to(kd.to(tl.float32) * (beta * tl.exp(G))[:, None], kd.dtype, INTERPRET),
-                 INTERPRET)
-        tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + offs_k[None, :],
-                 small_ops._to(w, kd.dtype, INTERPRET), mask=_tile_mask(ok, k_ok, PAD))
-        v_ptrs = v_ptr + t[:, None] * stride_vt + h * stride_vh + offs_v[None, :]
-        v = tl.load(v_ptrs, mask=_tile_mask(ok, v_ok, PAD), other=0.0)
-        u = _dot(Td, small_ops._to(v.to(tl.float32) * beta[:, None], kd.dtype, INTERPRET), INTERPRET)
-        tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + offs_v[None, :],
-                 small_ops._to(u, kd.dtype, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
         qd = _l2_rows(q_ptr + (h // HV_PER_K) * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD,
                       INTERPRET)
         qk = _dot(qd, tl.trans(kd), INTERPRET)
         qk = qk * tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], -float("inf")))
         tl.store(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :],
                  small_ops._to(qk, kd.dtype, INTERPRET), mask=ok[:, None])
+        # (I + A)^-1 = (I + N)^-1 Td with Td = (I + D)^-1, D the diagonal SUB x SUB blocks of A and
+        # N = Td (A - D) strictly block-lower, so (I + N)^-1 = I - N + N^2 - ... (BT / SUB terms)
+        Td = _block_diag_inverse(A, BT, SUB)
+        N = _dot_tf32(Td, tl.where(rows[:, None] // SUB > rows[None, :] // SUB, A, 0.0), INTERPRET)
+        x = kd.to(tl.float32) * (beta * tl.exp(G))[:, None]
+        w = _apply_inverse(Td, N, x, BT // SUB, INTERPRET)
+        tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + offs_k[None, :],
+                 small_ops._to(w, kd.dtype, INTERPRET), mask=_tile_mask(ok, k_ok, PAD))
+        v_ptrs = v_ptr + t[:, None] * stride_vt + h * stride_vh + offs_v[None, :]
+        v = tl.load(v_ptrs, mask=_tile_mask(ok, v_ok, PAD), other=0.0)
+        u = _apply_inverse(Td, N, v.to(tl.float32) * beta[:, None], BT // SUB, INTERPRET)
+        tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + offs_v[None, :],
+                 small_ops._to(u, kd.dtype, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
 
 
 @triton.jit
