@@ -117,20 +117,20 @@ def _dot_tf32(a, b, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _block_diag_inverse(A, BT: tl.constexpr, SUB: tl.constexpr):
-    """(I + D)^-1 `[BT, BT]` fp32, D the SUB x SUB diagonal blocks of the strictly lower A: forward
-    substitution in all blocks at once, SUB - 1 steps on `[BT / SUB, SUB, SUB]` (one step a row of the
-    whole chunk took most of the prefill's DeltaNet time: 63 dependent reductions over `[64, 64]`)."""
+    """(I + D)^-1 `[BT, BT]` fp32, D the SUB x SUB diagonal blocks of the strictly lower A, as
+    (I - D)(I + D^2)(I + D^4)(I + D^8) (D^SUB = 0): six batched `[BT / SUB, SUB, SUB]` dots in full fp32,
+    no sequential steps (one forward-substitution step a row took most of the prefill's DeltaNet time).
+    |D| <= 1 entrywise (beta < 1, decays <= 1, unit keys), so the powers stay below C(15, 8)."""
+    tl.static_assert(SUB == 16)
     NB: tl.constexpr = BT // SUB
     r = tl.arange(0, SUB)
     nb = tl.arange(0, NB)
     diag = nb[:, None, None, None] == nb[None, None, :, None]  # [NB, 1, NB, 1]: block (b, b)
     D = tl.sum(tl.where(diag, tl.reshape(A, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
-    ri = r[None, :, None]
-    T = tl.where(ri == r[None, None, :], 1.0, 0.0) + tl.zeros((NB, SUB, SUB), tl.float32)
-    for i in range(1, SUB):  # row i = e_i - D[i, :i] T[:i], in every block
-        d_row = tl.sum(tl.where(ri == i, D, 0.0), axis=1)  # [NB, SUB]
-        new = tl.where(r[None, :] == i, 1.0, -tl.sum(d_row[:, :, None] * T, axis=1))
-        T = tl.where(ri == i, new[:, None, :], T)
+    T = tl.where(r[None, :, None] == r[None, None, :], 1.0, 0.0) - D
+    for _ in tl.static_range(3):  # D^2, D^4, D^8
+        D = tl.dot(D, D, input_precision="ieee")
+        T = T + tl.dot(T, D, input_precision="ieee")
     return tl.reshape(tl.where(diag, T[:, :, None, :], 0.0), (BT, BT))
 
 
