@@ -13,6 +13,7 @@ from batchinfer.kernels.moe import (
     moe_experts_ref,
     moe_route,
     moe_route_ref,
+    router_logits,
 )
 from batchinfer.kernels.moe_align import moe_align, moe_align_ref
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
@@ -250,3 +251,14 @@ def test_decode_path_under_cuda_graph(t, e, d, i, shared):
     out.fill_(float("nan"))
     graph.replay()
     assert _rel(out, fused_moe_ref(h, w, 8, True)) < 5e-3
+
+
+@pytest.mark.parametrize("experts", [257, 128])
+def test_router_logits_rows_are_16_byte_aligned(experts):
+    """The router GEMM's output rows start on 16-byte boundaries (cuBLAS's aligned kernels), same values."""
+    g = torch.Generator().manual_seed(experts)
+    h = torch.randn(37, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    router = torch.randn(experts, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    logits = router_logits(h, router)
+    assert logits.shape == (37, experts) and logits.stride(1) == 1 and logits.stride(0) * 2 % 16 == 0
+    assert torch.equal(logits, h @ router.t())
