@@ -106,6 +106,22 @@ def _l2_rows(ptr, t, ok, stride_t, offs_k, k_ok, scale, PAD: tl.constexpr, INTER
 
 
 @triton.jit
+def _inv_norms(ptr, t, ok, stride_t, offs_k, k_ok, PAD: tl.constexpr):
+    """1 / l2 norm of each row, as `_l2_rows` scales them (fp32 `[BT]`)."""
+    x = tl.load(ptr + t[:, None] * stride_t + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
+    xf = x.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) + 1e-6)
+
+
+@triton.jit
+def _scaled_cols(ptr, t, ok, stride_t, offs, col_ok, row_scale, PAD: tl.constexpr, INTERPRET: tl.constexpr):
+    """Columns `offs` of the rows, times row_scale `[BT]` in fp32, rounded to the input dtype (with
+    `_inv_norms`, a column slice of `_l2_rows`' tile, bit for bit)."""
+    x = tl.load(ptr + t[:, None] * stride_t + offs[None, :], mask=_tile_mask(ok, col_ok, PAD), other=0.0)
+    return small_ops._to(x.to(tl.float32) * row_scale[:, None], x.dtype, INTERPRET)
+
+
+@triton.jit
 def _dot_tf32(a, b, INTERPRET: tl.constexpr):
     """a @ b of fp32 tiles on the tf32 tensor cores (10-bit mantissas: 4x finer than bf16 operands)."""
     if INTERPRET:
@@ -160,14 +176,14 @@ def _chunk_prep_kernel(
     bf16 `a` synchronously in every chunk step, sm_90 SASS)."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
     SUB: tl.constexpr = 16  # the diagonal blocks `_block_diag_inverse` inverts
+    PARTS: tl.constexpr = 2 if BLOCK_K >= 32 else 1  # column slices of W and U0 (dots need N >= 16)
     _, h, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
     if live:
         offs_k = tl.arange(0, BLOCK_K)
-        offs_v = tl.arange(0, BLOCK_DV)
         k_ok = offs_k < DK
-        v_ok = offs_v < DV
-        kd = _l2_rows(k_ptr + (h // HV_PER_K) * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD,
-                      INTERPRET)
+        k_rows = k_ptr + (h // HV_PER_K) * stride_kh
+        rk = _inv_norms(k_rows, t, ok, stride_kt, offs_k, k_ok, PAD)
+        kd = _scaled_cols(k_rows, t, ok, stride_kt, offs_k, k_ok, rk, PAD, INTERPRET)
         beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
         tl.store(g_ptr + t * stride_gt + h, G, mask=ok)
         lower = rows[:, None] > rows[None, :]
@@ -183,15 +199,20 @@ def _chunk_prep_kernel(
         # N = Td (A - D) strictly block-lower, so (I + N)^-1 = I - N + N^2 - ... (BT / SUB terms)
         Td = _block_diag_inverse(A, BT, SUB)
         N = _dot_tf32(Td, tl.where(rows[:, None] // SUB > rows[None, :] // SUB, A, 0.0), INTERPRET)
-        x = kd.to(tl.float32) * (beta * tl.exp(G))[:, None]
-        w = _apply_inverse(Td, N, x, BT // SUB, INTERPRET)
-        tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + offs_k[None, :],
-                 small_ops._to(w, kd.dtype, INTERPRET), mask=_tile_mask(ok, k_ok, PAD))
-        v_ptrs = v_ptr + t[:, None] * stride_vt + h * stride_vh + offs_v[None, :]
-        v = tl.load(v_ptrs, mask=_tile_mask(ok, v_ok, PAD), other=0.0)
-        u = _apply_inverse(Td, N, v.to(tl.float32) * beta[:, None], BT // SUB, INTERPRET)
-        tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + offs_v[None, :],
-                 small_ops._to(u, kd.dtype, INTERPRET), mask=_tile_mask(ok, v_ok, PAD))
+        # W and U0 a half of the head dim at a time (the columns are independent): fewer live fp32 tiles
+        for part in tl.static_range(PARTS):
+            cols = part * (BLOCK_K // PARTS) + tl.arange(0, BLOCK_K // PARTS)
+            x = _scaled_cols(k_rows, t, ok, stride_kt, cols, cols < DK, rk, PAD, INTERPRET).to(tl.float32)
+            w = _apply_inverse(Td, N, x * (beta * tl.exp(G))[:, None], BT // SUB, INTERPRET)
+            tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + cols[None, :],
+                     small_ops._to(w, kd.dtype, INTERPRET), mask=_tile_mask(ok, cols < DK, PAD))
+        for part in tl.static_range(PARTS):
+            cols = part * (BLOCK_DV // PARTS) + tl.arange(0, BLOCK_DV // PARTS)
+            v_ptrs = v_ptr + t[:, None] * stride_vt + h * stride_vh + cols[None, :]
+            v = tl.load(v_ptrs, mask=_tile_mask(ok, cols < DV, PAD), other=0.0)
+            u = _apply_inverse(Td, N, v.to(tl.float32) * beta[:, None], BT // SUB, INTERPRET)
+            tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + cols[None, :],
+                     small_ops._to(u, kd.dtype, INTERPRET), mask=_tile_mask(ok, cols < DV, PAD))
 
 
 @triton.jit
