@@ -179,7 +179,9 @@ def test_cli_refuses_ambiguous_models(tmp_path):
     res = runner.invoke(cli, [*base, "--lock-sample", "4"])
     assert res.exit_code == 2 and "--lock-sample must be >= 16, got 4" in res.output
     res = runner.invoke(cli, [*base, "--engine", "reference", "--refill-fraction", "0.5"])
-    assert res.exit_code == 2 and "--prefill-tokens/--refill-fraction apply to the fast engine" in res.output
+    assert res.exit_code == 2 and "--prefill-graph-tokens apply to the fast engine" in res.output
+    res = runner.invoke(cli, [*base, "--engine", "reference", "--prefill-graph-tokens", "512"])
+    assert res.exit_code == 2 and "--prefill-graph-tokens apply to the fast engine" in res.output
     res = runner.invoke(
         cli, ["bench", "run", "--workload", "bogus", "--preset", "tiny-qwen3-moe", "--random"]
     )
@@ -209,8 +211,12 @@ def test_cli_model_folder(tiny_checkpoint, tmp_path):
 
 def test_cli_schedule_defaults_are_the_engines():
     """`bench run` spells the fast engine's schedule defaults out (its --help imports no torch)."""
+    import inspect
+
     from batchinfer.cli.bench import run
-    from batchinfer.engine.fast import PREFILL_TOKENS, REFILL_FRACTION
+    from batchinfer.engine.fast import PREFILL_TOKENS, REFILL_FRACTION, FastGenerator
 
     params = {p.name: p.default for p in run.params}
     assert (params["prefill_tokens"], params["refill_fraction"]) == (PREFILL_TOKENS, REFILL_FRACTION)
+    graphs = inspect.signature(FastGenerator).parameters["prefill_graph_tokens"].default
+    assert params["prefill_graph_tokens"] == graphs

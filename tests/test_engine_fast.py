@@ -19,7 +19,7 @@ from batchinfer.checkpoint.loader import load_checkpoint
 from batchinfer.checkpoint.presets import build_checkpoint
 from batchinfer.cli import cli
 from batchinfer.engine.api import SamplingParams
-from batchinfer.engine.fast import FastGenerator
+from batchinfer.engine.fast import FastGenerator, padded_prompt, prefill_bucket
 from batchinfer.engine.kernel_model import KernelModel
 from batchinfer.engine.loader import load_engine
 from batchinfer.errors import ConfigError
@@ -150,6 +150,27 @@ def test_prompt_pieces_continue_the_slot_state():
     pieces = km.prefill_prompts(state, [long[70:], short], [2, 0], starts=[70, 0]).float()
     assert rel_err(pieces, whole) < 1e-2
     assert torch.equal(pieces.argmax(-1), whole.argmax(-1))
+
+
+def test_a_padded_prompt_fills_only_its_own_slot():
+    """The graphed prefill's packing: the prompt, then a filler sequence in the scratch slot up to the
+    bucket. The prompt's logits, KV entries and DeltaNet state are those of the prompt prefilled alone, and
+    nothing else of its slot's rows is touched."""
+    assert [prefill_bucket(n) for n in (1, 64, 65, 512, 513)] == [64, 64, 128, 512, 1024]
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
+    (prompt,) = _random_prompts(cfg.vocab_size, [37])
+    alone, padded = km.new_state(3, 80), km.new_state(3, 80)
+    want = km.prefill_prompts(alone, [prompt], [1]).float()
+    bucket = prefill_bucket(len(prompt))
+    got = km.prefill(padded, *padded_prompt(prompt, 1, 2, bucket), bucket)[:1].float()
+    assert rel_err(got, want) < 1e-2 and torch.equal(got.argmax(-1), want.argmax(-1))
+    for name in ("k", "v", "conv", "recurrent"):
+        for a, b in zip(getattr(alone, name), getattr(padded, name), strict=True):
+            if a is None:
+                continue
+            mine = (1, slice(None), slice(0, len(prompt))) if name in ("k", "v") else (1,)  # its positions
+            assert rel_err(b[mine].float(), a[mine].float()) < 1e-2, name
+            assert torch.equal(b[0], a[0]), name  # slot 0, which no sequence uses: still zero
 
 
 def test_long_prompts_are_prefilled_in_pieces_between_decode_steps():
@@ -323,13 +344,24 @@ def test_schedule_engine_arguments_are_checked_and_reach_the_generator():
         (dict(prefill_tokens="many"), "prefill_tokens='many' is not an integer"),
         (dict(refill_fraction="1.5"), r"refill_fraction=1.5 must be in \(0, 1\]"),
         (dict(refill_fraction="half"), "refill_fraction='half' is not a number"),
+        (dict(prefill_graph_tokens="-1"), "prefill_graph_tokens=-1 must be >= 0"),
     ):
         with pytest.raises(ConfigError, match=match):
             load_engine(DEMO, device="cpu", engine="fast", **arg)
     with pytest.raises(ConfigError, match="apply to the fast engine"):
         load_engine(DEMO, device="cpu", engine="reference", refill_fraction="0.5")
-    engine = load_engine(DEMO, device="cpu", engine="fast", prefill_tokens="4096", refill_fraction="0.5")
-    assert (engine.generator.prefill_tokens, engine.generator.refill_fraction) == (4096, 0.5)
+    with pytest.raises(ConfigError, match="apply to the fast engine"):
+        load_engine(DEMO, device="cpu", engine="reference", prefill_graph_tokens="512")
+    engine = load_engine(
+        DEMO,
+        device="cpu",
+        engine="fast",
+        prefill_tokens="4096",
+        refill_fraction="0.5",
+        prefill_graph_tokens="512",
+    )
+    g = engine.generator
+    assert (g.prefill_tokens, g.refill_fraction, g.prefill_graph_tokens) == (4096, 0.5, 512)
 
 
 def test_refill_fraction_sets_how_often_prompts_are_prefilled():
@@ -368,6 +400,21 @@ def test_cuda_graphs_match_eager_decode():
         o.token_ids for o in eager.generate(prompts, params)
     ]
     assert graphed.stats["graph_captures"] >= 2
+
+
+@pytest.mark.gpu
+@GPU
+def test_graphed_prefill_matches_eager_prefill():
+    """Lone fresh prompts (one at a time: max_slots 1) prefilled by the graphs of their length buckets give
+    the eager engine's outputs; each bucket is captured once."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed", "cuda")
+    prompts = _random_prompts(cfg.vocab_size, [5, 90, 17, 64, 33])
+    params = [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts)
+    graphed = FastGenerator(km, max_slots=1, prefill_graph_tokens=128)
+    eager = FastGenerator(km, max_slots=1)
+    got = graphed.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert set(graphed._prefill_graphs) == {64, 128}
 
 
 @pytest.mark.gpu

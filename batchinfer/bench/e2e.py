@@ -99,6 +99,7 @@ class FastTokenEngine:
             "max_slots": str(g.max_slots),
             "prefill_tokens": str(g.prefill_tokens),
             "refill_fraction": str(g.refill_fraction),
+            "prefill_graph_tokens": str(g.prefill_graph_tokens),
             "deltanet_state": str(g.model.deltanet_state).removeprefix("torch."),
             "kv_cache": "fp8" if g.model.kv_cache == torch.float8_e4m3fn else "bfloat16",
             "cuda_graphs": str(g.cuda_graphs),

@@ -123,6 +123,14 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     help="Fast engine: waiting prompts are prefilled once this fraction of the slots is free; with "
     "--prefill-tokens it sets the split between prefill passes and decode steps.",
 )
+@click.option(
+    "--prefill-graph-tokens",
+    default=0,  # engine.fast.FastGenerator's default
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Fast engine: a pass that is one fresh prompt of up to N tokens replays a CUDA graph (padded to a "
+    "power of two); 0 never. Cuts the launch overhead of a lone prompt's prefill (the time to first token).",
+)
 @click.option("--max-requests", type=int, help="Run only the first N requests (recorded as 'capped').")
 @click.option("--max-in", type=int, help="Cut prompts to their first N tokens (recorded deviation).")
 @click.option("--max-out", type=int, help="Generate at most N tokens per request (recorded deviation).")
@@ -168,6 +176,7 @@ def run(
     kv_cache: str,
     prefill_tokens: int,
     refill_fraction: float,
+    prefill_graph_tokens: int,
     max_requests: int | None,
     max_in: int | None,
     max_out: int | None,
@@ -214,8 +223,11 @@ def run(
         raise click.UsageError("--deltanet-state applies to the fast engine (--engine fast)")
     if kv_cache != "bfloat16" and engine_name != "fast":
         raise click.UsageError("--kv-cache applies to the fast engine (--engine fast)")
-    if (prefill_tokens, refill_fraction) != (16384, 0.125) and engine_name != "fast":
-        raise click.UsageError("--prefill-tokens/--refill-fraction apply to the fast engine (--engine fast)")
+    if (prefill_tokens, refill_fraction, prefill_graph_tokens) != (16384, 0.125, 0) and engine_name != "fast":
+        raise click.UsageError(
+            "--prefill-tokens, --refill-fraction and --prefill-graph-tokens apply to the fast engine "
+            "(--engine fast)"
+        )
     torch_dtype = DTYPES[dtype] if dtype else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     if engine_name == "fast":
         torch_dtype = torch.bfloat16
@@ -262,6 +274,7 @@ def run(
                 max_slots=max_slots,
                 prefill_tokens=prefill_tokens,
                 refill_fraction=refill_fraction,
+                prefill_graph_tokens=prefill_graph_tokens,
             )
         )
     else:

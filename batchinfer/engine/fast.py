@@ -12,6 +12,9 @@ A decode step is a CUDA graph replay for the smallest captured batch-size bucket
 (padding rows point at a scratch slot), then greedy argmax or the fused sampler on the GPU; the sampled
 ids stay on the device as the next step's input, and one small copy per step brings them to the host
 for stop checks and callbacks.
+With `prefill_graph_tokens`, a pass that is one fresh prompt of up to that many tokens (the latency
+case: a few thousand kernel launches for little device work) replays the CUDA graph of its length
+bucket: the prompt, then a filler sequence up to the bucket in the scratch slot.
 `generate` has the contract of `models.generate.generate`, so the text engine and the benchmark use
 either interchangeably.
 """
@@ -55,6 +58,26 @@ def _buckets(slots: int) -> list[int]:
     return sorted(sizes)
 
 
+_PrefillGraph = tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]  # graph, inputs, logits
+
+
+def prefill_bucket(tokens: int) -> int:
+    """The padded length of a graphed prefill: a power of two, at least 64."""
+    return max(64, 1 << (tokens - 1).bit_length())
+
+
+def padded_prompt(prompt: Sequence[int], slot: int, scratch: int, bucket: int) -> tuple[torch.Tensor, ...]:
+    """`KernelModel.prefill`'s packed inputs (ids, positions, token slots, cu_seqlens, slots; on the host)
+    for `prompt` in `slot` followed by a filler sequence of token 0 in the `scratch` slot up to `bucket`
+    tokens: the filler has its own KV cache and DeltaNet state, so the prompt's are exactly its own."""
+    n, pad = len(prompt), bucket - len(prompt)
+    ids = torch.tensor([*prompt, *[0] * pad], dtype=torch.int64)
+    positions = torch.cat([torch.arange(n, dtype=torch.int32), torch.arange(pad, dtype=torch.int32)])
+    token_slots = torch.tensor([slot] * n + [scratch] * pad, dtype=torch.int64)
+    cu = torch.tensor([0, n, bucket], dtype=torch.int32)
+    return ids, positions, token_slots, cu, torch.tensor([slot, scratch], dtype=torch.int32)
+
+
 class FastGenerator:
     """Runs `KernelModel` over many requests; see the module docstring. One generator per GPU."""
 
@@ -65,17 +88,19 @@ class FastGenerator:
         prefill_tokens: int = PREFILL_TOKENS,
         refill_fraction: float = REFILL_FRACTION,
         cuda_graphs: bool | None = None,
+        prefill_graph_tokens: int = 0,
     ) -> None:
-        if prefill_tokens < 1 or not 0 < refill_fraction <= 1:
+        if prefill_tokens < 1 or not 0 < refill_fraction <= 1 or prefill_graph_tokens < 0:
             raise ValueError(
-                f"prefill_tokens={prefill_tokens} (>= 1) or refill_fraction={refill_fraction} "
-                "(in (0, 1]) out of range"
+                f"prefill_tokens={prefill_tokens} (>= 1), refill_fraction={refill_fraction} (in (0, 1]) "
+                f"or prefill_graph_tokens={prefill_graph_tokens} (>= 0) out of range"
             )
         self.model = model
         self.max_slots = max_slots
         self.prefill_tokens = prefill_tokens
         self.refill_fraction = refill_fraction
         self.cuda_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.prefill_graph_tokens = prefill_graph_tokens
         self.device = model.device
         if self.device.type == "cuda":  # Triton launches and graph captures go to the current device
             torch.cuda.set_device(self.device)
@@ -83,6 +108,7 @@ class FastGenerator:
         self._slots = 0
         self._max_len = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_graphs: dict[int, _PrefillGraph] = {}
         self._pool = None
         self.stats: dict[str, int] = {"prefill_passes": 0, "decode_steps": 0, "graph_captures": 0}
         self.batch_sizes: list[int] = []
@@ -91,6 +117,7 @@ class FastGenerator:
         """Free the state pools and captured graphs (the next `generate` allocates them again)."""
         self._state = None
         self._graphs.clear()
+        self._prefill_graphs.clear()
         self._pool = None
         self._slots = self._max_len = 0
         if self.device.type == "cuda":
@@ -255,12 +282,22 @@ class FastGenerator:
 
     def _prefill_pass(self, pieces: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int | None]]:
         dev = self.device
-        logits = self.model.prefill_prompts(
-            self._state,
-            [s.prompt[s.prefilled : s.prefilled + n] for s, n in pieces],
-            [s.slot for s, _ in pieces],
-            starts=[s.prefilled for s, _ in pieces],
-        )
+        s0, n0 = pieces[0]
+        bucket = prefill_bucket(n0)
+        if (
+            self.cuda_graphs
+            and len(pieces) == 1
+            and n0 == len(s0.prompt)
+            and bucket <= min(self.prefill_graph_tokens, self._max_len)
+        ):
+            logits = self._prefill_graphed(s0.prompt, s0.slot, bucket)
+        else:
+            logits = self.model.prefill_prompts(
+                self._state,
+                [s.prompt[s.prefilled : s.prefilled + n] for s, n in pieces],
+                [s.slot for s, _ in pieces],
+                starts=[s.prefilled for s, _ in pieces],
+            )
         self.stats["prefill_passes"] += 1
         done = [i for i, (s, n) in enumerate(pieces) if s.prefilled + n == len(s.prompt)]
         first: dict[int, int] = {}
@@ -278,6 +315,25 @@ class FastGenerator:
             )
             first = dict(zip(done, tokens.tolist(), strict=True))
         return [(s, n, first.get(i)) for i, (s, n) in enumerate(pieces)]
+
+    def _prefill_graphed(self, prompt: list[int], slot: int, bucket: int) -> torch.Tensor:
+        """Logits `[1, V]` of one fresh prompt, by the CUDA graph of its length bucket (captured on first
+        use, after a warm-up pass that writes only the scratch slot)."""
+        if bucket not in self._prefill_graphs:
+            inputs = tuple(x.to(self.device) for x in padded_prompt([0], self._slots, self._slots, bucket))
+            self.model.prefill(self._state, *inputs, bucket)  # compiles; the scratch slot only
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self.model.prefill(self._state, *inputs, bucket)
+            self._pool = graph.pool()
+            self._prefill_graphs[bucket] = (graph, inputs, logits)
+            self.stats["graph_captures"] += 1
+        graph, inputs, logits = self._prefill_graphs[bucket]
+        for buf, x in zip(inputs, padded_prompt(prompt, slot, self._slots, bucket), strict=True):
+            buf.copy_(x)
+        graph.replay()
+        return logits[:1]
 
     # ---- the loop ----
 

@@ -74,6 +74,7 @@ def load_engine(
     kv_cache: str = "bfloat16",
     prefill_tokens: int | str = PREFILL_TOKENS,
     refill_fraction: float | str = REFILL_FRACTION,
+    prefill_graph_tokens: int | str = 0,
 ) -> ReferenceEngine:
     """Load a checkpoint folder onto `device` and wrap it in an engine.
 
@@ -86,7 +87,9 @@ def load_engine(
     engine, Qwen3.5/3.6): `float32` (the checkpoints' own) or `bfloat16` recurrent state. `kv_cache` (fast
     engine): `bfloat16` or `fp8` (E4M3 with a scale per token and head: half the KV bytes).
     `prefill_tokens` and `refill_fraction` (fast engine): prompt tokens a prefill pass, and the fraction
-    of the slots that must be free before waiting prompts are prefilled (`engine.fast`).
+    of the slots that must be free before waiting prompts are prefilled; `prefill_graph_tokens` (fast
+    engine): a lone fresh prompt of up to that many tokens is prefilled by a CUDA graph, 0 never
+    (`engine.fast`).
     The job layer passes its `--engine-arg KEY=VALUE` strings straight in, so numbers may be strings.
     """
     path = Path(model_path)
@@ -94,6 +97,9 @@ def load_engine(
     max_batch_size = _as_int("max_batch_size", max_batch_size)
     max_slots = _as_int("max_slots", max_slots)
     prefill_tokens = _as_int("prefill_tokens", prefill_tokens)
+    prefill_graph_tokens = _as_int("prefill_graph_tokens", prefill_graph_tokens)
+    if prefill_graph_tokens < 0:
+        raise ConfigError(f"engine argument prefill_graph_tokens={prefill_graph_tokens} must be >= 0")
     for name, value in (
         ("max_batch_size", max_batch_size),
         ("max_slots", max_slots),
@@ -124,9 +130,14 @@ def load_engine(
         raise ConfigError(f"engine argument kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
     if kv_cache != "bfloat16" and not fast:
         raise ConfigError(f"engine argument kv_cache={kv_cache} applies to the fast engine (engine=fast)")
-    if not fast and (prefill_tokens, refill_fraction) != (PREFILL_TOKENS, REFILL_FRACTION):
+    if not fast and (prefill_tokens, refill_fraction, prefill_graph_tokens) != (
+        PREFILL_TOKENS,
+        REFILL_FRACTION,
+        0,
+    ):
         raise ConfigError(
-            "engine arguments prefill_tokens and refill_fraction apply to the fast engine (engine=fast)"
+            "engine arguments prefill_tokens, refill_fraction and prefill_graph_tokens apply to the fast "
+            "engine (engine=fast)"
         )
     if fast and dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
         raise ConfigError(f"the fast engine computes in bfloat16; dtype={dtype!r} needs engine=reference")
@@ -153,7 +164,11 @@ def load_engine(
             config, weights, deltanet_state=DTYPES[deltanet_state], kv_cache=KV_DTYPES[kv_cache]
         )
         generator = FastGenerator(
-            kernel_model, max_slots=max_slots, prefill_tokens=prefill_tokens, refill_fraction=refill_fraction
+            kernel_model,
+            max_slots=max_slots,
+            prefill_tokens=prefill_tokens,
+            refill_fraction=refill_fraction,
+            prefill_graph_tokens=prefill_graph_tokens,
         )
         del weights
         # the state options change outputs too: recorded with the weights' format
