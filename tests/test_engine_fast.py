@@ -405,16 +405,28 @@ def test_cuda_graphs_match_eager_decode():
 @pytest.mark.gpu
 @GPU
 def test_graphed_prefill_matches_eager_prefill():
-    """Lone fresh prompts (one at a time: max_slots 1) prefilled by the graphs of their length buckets give
-    the eager engine's outputs; each bucket is captured once."""
+    """A lone prompt prefilled by the graph of its length bucket (recurrent DeltaNet at 64, chunked above;
+    a filler of 0 to 63 tokens) gives the eager prefill's logits and leaves the same state in its slot;
+    `prepare` captures each bucket once, and generation runs through the graphs."""
     cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed", "cuda")
-    prompts = _random_prompts(cfg.vocab_size, [5, 90, 17, 64, 33])
-    params = [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts)
-    graphed = FastGenerator(km, max_slots=1, prefill_graph_tokens=128)
-    eager = FastGenerator(km, max_slots=1)
-    got = graphed.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(prompts, params)]
-    assert set(graphed._prefill_graphs) == {64, 128}
+    gen = FastGenerator(km, max_slots=1, prefill_graph_tokens=128)
+    gen.prepare(1, 140)
+    assert set(gen._prefill_graphs) == {64, 128}
+    captures = gen.stats["graph_captures"]
+    for prompt in _random_prompts(cfg.vocab_size, [5, 90, 64, 128, 33]):
+        eager = km.new_state(2, 140)
+        want = km.prefill_prompts(eager, [prompt], [0]).float()
+        got = gen._prefill_graphed(prompt, 0, prefill_bucket(len(prompt))).float()
+        assert rel_err(got, want) < 1e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), len(prompt)
+        for name in ("k", "v", "conv", "recurrent"):
+            for a, b in zip(getattr(eager, name), getattr(gen._state, name), strict=True):
+                if a is not None:
+                    mine = (0, slice(None), slice(0, len(prompt))) if name in ("k", "v") else (0,)
+                    assert rel_err(b[mine].float(), a[mine].float()) < 1e-2, (name, len(prompt))
+    assert gen.stats["graph_captures"] == captures
+    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * 2
+    outputs = gen.generate(_random_prompts(cfg.vocab_size, [20, 100], seed=1), params)
+    assert [len(o.token_ids) for o in outputs] == [4, 4] and gen.stats["graph_captures"] == captures
 
 
 @pytest.mark.gpu

@@ -261,4 +261,4 @@ def test_router_logits_rows_are_16_byte_aligned(experts):
     router = torch.randn(experts, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     logits = router_logits(h, router)
     assert logits.shape == (37, experts) and logits.stride(1) == 1 and logits.stride(0) * 2 % 16 == 0
-    assert torch.equal(logits, h @ router.t())
+    assert _rel(logits, h @ router.t()) < 1e-2  # another cuBLAS kernel on the GPU: same values up to order

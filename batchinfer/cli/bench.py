@@ -128,8 +128,9 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     default=0,  # engine.fast.FastGenerator's default
     show_default=True,
     type=click.IntRange(min=0),
-    help="Fast engine: a pass that is one fresh prompt of up to N tokens replays a CUDA graph (padded to a "
-    "power of two); 0 never. Cuts the launch overhead of a lone prompt's prefill (the time to first token).",
+    help="Fast engine: a pass that is one fresh prompt whose length rounded up to a power of two (at least "
+    "64) is at most N replays a CUDA graph of that length; 0 never. Cuts the launch overhead of a lone "
+    "prompt's prefill (the time to first token).",
 )
 @click.option("--max-requests", type=int, help="Run only the first N requests (recorded as 'capped').")
 @click.option("--max-in", type=int, help="Cut prompts to their first N tokens (recorded deviation).")

@@ -12,9 +12,9 @@ A decode step is a CUDA graph replay for the smallest captured batch-size bucket
 (padding rows point at a scratch slot), then greedy argmax or the fused sampler on the GPU; the sampled
 ids stay on the device as the next step's input, and one small copy per step brings them to the host
 for stop checks and callbacks.
-With `prefill_graph_tokens`, a pass that is one fresh prompt of up to that many tokens (the latency
-case: a few thousand kernel launches for little device work) replays the CUDA graph of its length
-bucket: the prompt, then a filler sequence up to the bucket in the scratch slot.
+With `prefill_graph_tokens`, a pass that is one fresh prompt (the latency case: about a thousand kernel
+launches for little device work) replays the CUDA graph of its length bucket, a power of two from 64 up to
+`prefill_graph_tokens`: the prompt, then a filler sequence up to the bucket in the scratch slot.
 `generate` has the contract of `models.generate.generate`, so the text engine and the benchmark use
 either interchangeably.
 """
@@ -125,12 +125,17 @@ class FastGenerator:
 
     def prepare(self, n: int, max_len: int) -> None:
         """Allocate the pools for `n` requests of up to `max_len` tokens and capture the decode graph of
-        every batch bucket now, so a timed run that follows (same or smaller needs) does neither."""
+        every batch bucket (and with `prefill_graph_tokens` the prefill graph of every length bucket) now,
+        so a timed run that follows (same or smaller needs) does neither."""
         slots = self._ensure_state(n, max_len)
         if self.cuda_graphs:
             with torch.inference_mode():
                 for bucket in _buckets(slots):  # rows point at the scratch slot: nothing real advances
                     self._decode_logits(bucket)
+                bucket = 64
+                while bucket <= self.prefill_graph_tokens and bucket - 1 <= self._max_len:
+                    self._prefill_graphed([0], self._slots, bucket)  # the scratch slot's own prompt
+                    bucket *= 2
 
     # ---- capacity ----
 
@@ -288,7 +293,8 @@ class FastGenerator:
             self.cuda_graphs
             and len(pieces) == 1
             and n0 == len(s0.prompt)
-            and bucket <= min(self.prefill_graph_tokens, self._max_len)
+            and bucket <= self.prefill_graph_tokens
+            and bucket - n0 <= self._max_len  # the filler fits in the scratch slot
         ):
             logits = self._prefill_graphed(s0.prompt, s0.slot, bucket)
         else:
@@ -318,9 +324,10 @@ class FastGenerator:
 
     def _prefill_graphed(self, prompt: list[int], slot: int, bucket: int) -> torch.Tensor:
         """Logits `[1, V]` of one fresh prompt, by the CUDA graph of its length bucket (captured on first
-        use, after a warm-up pass that writes only the scratch slot)."""
+        use, after a warm-up pass of the same lengths that writes only the scratch slot)."""
         if bucket not in self._prefill_graphs:
-            inputs = tuple(x.to(self.device) for x in padded_prompt([0], self._slots, self._slots, bucket))
+            scratch = padded_prompt(prompt, self._slots, self._slots, bucket)
+            inputs = tuple(x.to(self.device) for x in scratch)
             self.model.prefill(self._state, *inputs, bucket)  # compiles; the scratch slot only
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
