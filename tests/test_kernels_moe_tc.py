@@ -144,8 +144,7 @@ def test_paired_experts_follow_the_timed_table(monkeypatch):
     assert isinstance(moe._moe_configs(32, 128, paired=True), MoEDecodeConfig)  # Qwen3-30B, T=4
     assert isinstance(moe._moe_configs(64, 128, paired=True), MoETCConfig)  # T=8
     assert moe._moe_configs(2304, 257, paired=True).block_m == 32  # T=256
-    assert isinstance(moe._moe_configs(18432, 257, paired=True), MoETCConfig)  # T=2048
-    assert moe._moe_configs(18432, 257, paired=True).block_m == 64
+    assert moe._moe_configs(18432, 257, paired=True).block_m == 64  # T=2048
     assert moe._moe_configs(36864, 257, paired=True).block_m == 128  # T=4096
     assert isinstance(moe._moe_configs(73728, 257, paired=True), MoETCConfig)  # T=8192: a tie
     assert isinstance(moe._moe_configs(110592, 257, paired=True), MoEGroupedMMConfig)  # T=12288

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchinfer.engine.api import SamplingParams
-from batchinfer.engine.kernel_model import KernelModel, SlotState
+from batchinfer.engine.kernel_model import KernelModel, SlotState, pack_prompts
 from batchinfer.kernels.sampling import sample
 from batchinfer.models.generate import GenerationOutput, StepCallback
 
@@ -67,15 +67,10 @@ def prefill_bucket(tokens: int) -> int:
 
 
 def padded_prompt(prompt: Sequence[int], slot: int, scratch: int, bucket: int) -> tuple[torch.Tensor, ...]:
-    """`KernelModel.prefill`'s packed inputs (ids, positions, token slots, cu_seqlens, slots; on the host)
-    for `prompt` in `slot` followed by a filler sequence of token 0 in the `scratch` slot up to `bucket`
-    tokens: the filler has its own KV cache and DeltaNet state, so the prompt's are exactly its own."""
-    n, pad = len(prompt), bucket - len(prompt)
-    ids = torch.tensor([*prompt, *[0] * pad], dtype=torch.int64)
-    positions = torch.cat([torch.arange(n, dtype=torch.int32), torch.arange(pad, dtype=torch.int32)])
-    token_slots = torch.tensor([slot] * n + [scratch] * pad, dtype=torch.int64)
-    cu = torch.tensor([0, n, bucket], dtype=torch.int32)
-    return ids, positions, token_slots, cu, torch.tensor([slot, scratch], dtype=torch.int32)
+    """`KernelModel.prefill`'s packed inputs (`pack_prompts`, without `past`) for `prompt` in `slot`
+    followed by a filler sequence of token 0 in the `scratch` slot up to `bucket` tokens: the filler has
+    its own KV cache and DeltaNet state, so the prompt's are exactly its own."""
+    return pack_prompts([prompt, [0] * (bucket - len(prompt))], [slot, scratch], [0, 0])[:5]
 
 
 class FastGenerator:

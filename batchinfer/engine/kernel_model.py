@@ -89,6 +89,21 @@ class LayerWeights:
     moe: MoEWeights
 
 
+def pack_prompts(
+    prompts: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int]
+) -> tuple[torch.Tensor, ...]:
+    """`KernelModel.prefill`'s packed inputs on the host: token ids (int64), positions from each start
+    (int32), each token's slot (int64), cu_seqlens and slots (int32), and the starts as `past` (int32)."""
+    lens = [len(p) for p in prompts]
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+    spans = zip(starts, lens, strict=True)
+    positions = torch.cat([torch.arange(s, s + n, dtype=torch.int32) for s, n in spans])
+    token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(lens))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slot_ids, past = (torch.tensor(list(xs), dtype=torch.int32) for xs in (slots, starts))
+    return ids, positions, token_slots, cu, slot_ids, past
+
+
 @dataclass(slots=True)
 class SlotState:
     """Per-slot state pools of every layer (index = layer; the other kind's entry is None)."""
@@ -309,18 +324,11 @@ class KernelModel:
     ) -> torch.Tensor:
         """`prefill` of prompts (token-id lists) into `slots`; packs them on the host. `starts` (chunked
         prefill): where each list begins in its sequence, whose earlier tokens are in the slot already."""
-        dev, lens = self.device, [len(p) for p in prompts]
         starts = starts or [0] * len(prompts)
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64).to(dev)
-        spans = zip(starts, lens, strict=True)
-        positions = torch.cat([torch.arange(s, s + n, dtype=torch.int32) for s, n in spans])
-        token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens)).to(dev)
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(dev)
-        slot_ids = torch.tensor(slots, dtype=torch.int32).to(dev)
-        past = torch.tensor(starts, dtype=torch.int32).to(dev) if any(starts) else None
-        return self.prefill(
-            state, ids, positions.to(dev), token_slots, cu, slot_ids, max(lens), all_logits, past
-        )
+        *packed, past = pack_prompts(prompts, slots, starts)
+        inputs = [x.to(self.device) for x in packed]
+        past = past.to(self.device) if any(starts) else None
+        return self.prefill(state, *inputs, max(len(p) for p in prompts), all_logits, past)
 
     def decode(
         self, state: SlotState, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
