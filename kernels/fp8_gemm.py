@@ -20,6 +20,9 @@ DRAM bandwidth at q_proj's shape (session 7); now cp.async (sm_90 compile). sm_9
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -125,12 +128,13 @@ def _fp8_gemm_kernel(
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, ws_ptr, lock_ptr,  #
-    N, K, stride_wn,  #
+    N, K, stride_wn, stride_s,  #
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,  #
 ):
-    """out[n] = scale * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K: partial sums
-    [BLOCK_N, BLOCK_K] per thread, one reduction at the end, split partials summed in split order by the
-    last program to finish (as `_fp8_gemm_kernel`)."""
+    """out[n] = scale[n] * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K (scale[n]
+    at n * stride_s: 0 for one tensor scale, 1 for stacked weights' rows): partial sums [BLOCK_N, BLOCK_K]
+    per thread, one reduction at the end, split partials summed in split order by the last program to
+    finish (as `_fp8_gemm_kernel`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -146,7 +150,7 @@ def _fp8_gemv_kernel(
         b = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask_n[:, None] & mask_k[None, :],
                     other=0)
         acc += b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x[None, :]
-    part = tl.sum(acc, axis=1) * tl.load(scale_ptr)
+    part = tl.sum(acc, axis=1) * tl.load(scale_ptr + rows * stride_s, mask=mask_n, other=0.0)
     if SPLIT_K == 1:
         tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
@@ -161,18 +165,50 @@ def _fp8_gemv_kernel(
             tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
-def _fp8_gemv(x: torch.Tensor, w: FP8Weight, out: torch.Tensor) -> None:
+@dataclass(slots=True)
+class FP8Rows:
+    """Per-tensor FP8 weights stacked along N, each row with its own tensor's scale, so that linears
+    reading one input (q|k|v) run as one GEMV on their checkpoint bytes."""
+
+    data: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [N]
+
+
+def stack_fp8(weights: Sequence[FP8Weight]) -> FP8Rows:
+    """`weights` (same K) as one `FP8Rows`: the data concatenated, each tensor scale repeated per row."""
+    ks = {w.shape[1] for w in weights}
+    if len(ks) != 1:
+        raise ValueError(f"FP8 weights to stack must share K, got K in {sorted(ks)}")
+    data = torch.cat([w.data.view(torch.uint8) for w in weights]).view(torch.float8_e4m3fn)
+    scale = torch.cat([w.scale.reshape(1).expand(w.shape[0]) for w in weights]).contiguous()
+    return FP8Rows(data, scale)
+
+
+def _fp8_gemv(x: torch.Tensor, w: FP8Weight | FP8Rows, out: torch.Tensor) -> None:
     """`_fp8_gemv_kernel` for one row: x `[1, K]`, out `[1, N]` (unit strides)."""
-    n, k = w.shape
+    n, k = w.data.shape
     block_n, block_k = (16, 32) if interpreting() else (16, 256)
     tiles = triton.cdiv(n, block_n)
     split = choose_split_k(tiles, k, block_k, num_sms(x.device))
     ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
     locks = split_k_locks(x.device, tiles) if split > 1 else out
     _fp8_gemv_kernel[(tiles, split)](
-        x, w.data.view(torch.uint8), w.scale, out, ws, locks, n, k, w.data.stride(0),  #
+        x, w.data.view(torch.uint8), w.scale, out, ws, locks,  #
+        n, k, w.data.stride(0), int(w.scale.ndim == 1),  #
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4,  #
     )
+
+
+def fp8_gemv(x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One bf16 row `x [1, K]` times stacked FP8 rows `W [N, K]` transposed -> `[1, N]` bf16, reading the
+    FP8 bytes (single-stream decode, where the weights are all the bytes a step moves). `out` may be a
+    view with unit column stride."""
+    n, k = w.data.shape
+    if x.shape != (1, k) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
+    out = check_gemm_out(out, 1, n, x.device)
+    _fp8_gemv(x, w, out)
+    return out
 
 
 def fp8_dequantize(w: FP8Weight, row_start: int = 0, row_end: int | None = None) -> torch.Tensor:

@@ -35,7 +35,7 @@ import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
 from batchinfer.kernels.moe_tc import MoETCConfig, byte_k, k_byte, moe_experts_tc, scale_offset
-from batchinfer.kernels.moe_weights import MoEWeights
+from batchinfer.kernels.moe_weights import MoEWeights, padded_rows
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import (
     _decode_nvfp4_tile,
@@ -138,10 +138,14 @@ def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool =
 
 
 def _decode_config(numel: int) -> MoEDecodeConfig:
+    """H200, session 10 (a sweep of one Qwen3.6 layer, `_moe_decode` alone, docs/PERF_KERNELS.md): one token
+    23.8 -> 19.6 us with K in 16-group steps and one program a slot in down; 8 tokens 94.6 -> 75.9 us."""
     if interpreting():
         return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
-    if numel <= 72:  # up to 8 tokens of 9 slots: K in 4 splits (gate_up), the slots in 3 (down)
-        return MoEDecodeConfig((16, 32, 2, 4), (32, 32, 4, 3))
+    if numel <= 18:  # up to 2 tokens of 9 slots
+        return MoEDecodeConfig((16, 16, 2, 4), (32, 32, 2, 9))
+    if numel <= 72:  # up to 8 tokens
+        return MoEDecodeConfig((32, 16, 2, 4), (64, 16, 2, 3))
     return MoEDecodeConfig((16, 32, 2, 4), (64, 32, 4, 3))
 
 
@@ -609,13 +613,13 @@ def fused_moe(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> 
 
 
 def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """`h @ router^T` `[T, E']` bf16, as the HF router computes it, in rows padded to a multiple of 8
-    columns: Qwen3.6's 257 (256 experts and the shared expert's gate) put rows 514 bytes apart, for which
-    cuBLAS takes an unaligned sm_75 kernel (11.8 ms of a 16 x 1,024-token prefill pass on the H200,
-    session 9; the padded form is not yet timed)."""
-    e = router.shape[0]
-    out = torch.empty((h.shape[0], -(-e // 8) * 8), dtype=h.dtype, device=h.device)[:, :e]
-    return torch.mm(h, router.t(), out=out)
+    """`h @ router^T` `[T, E']` bf16, as the HF router computes it. With E' not a multiple of 8 (Qwen3.6's
+    257: 256 experts and the shared expert's gate) cuBLAS takes an unaligned sm_75 kernel (11.8 ms of a
+    16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200, session 10), so a router
+    stacked by `stack_moe_weights` (zero rows after it, `padded_rows`) runs as the padded GEMM, whose
+    first E' columns are the logits."""
+    full = padded_rows(router)
+    return h @ router.t() if full is None else (h @ full.t())[:, : router.shape[0]]
 
 
 def _expert_weights_f32(w: MoEWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]:

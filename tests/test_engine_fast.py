@@ -20,7 +20,7 @@ from batchinfer.checkpoint.presets import build_checkpoint
 from batchinfer.cli import cli
 from batchinfer.engine.api import SamplingParams
 from batchinfer.engine.fast import FastGenerator, padded_prompt, prefill_bucket
-from batchinfer.engine.kernel_model import KernelModel
+from batchinfer.engine.kernel_model import AttentionWeights, DeltaNetWeights, KernelModel
 from batchinfer.engine.loader import load_engine
 from batchinfer.errors import ConfigError
 from batchinfer.models.generate import generate
@@ -104,6 +104,38 @@ def test_fp8_kv_cache_halves_its_bytes_and_stays_accurate(preset, quant):
     assert [t[0] for t in fp8] == [t[0] for t in bf16]  # a fresh prompt's own K/V stay bf16 in prefill
     with pytest.raises(ValueError, match="kv_cache: expected bfloat16 or float8_e4m3fn"):
         KernelModel(cfg, dict(ref.weights), kv_cache=torch.float16)
+
+
+def test_one_row_decode_reads_the_fp8_projections():
+    """NVIDIA's mixed layout keeps the attention and DeltaNet projections' FP8 bytes (stacked like their bf16
+    copies) for one-row decode, which runs the FP8 GEMV on them: the logits and the slot state match the
+    same step on the bf16 copies. All-NVFP4 checkpoints keep none."""
+    import copy
+    import dataclasses
+
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
+    fields = {AttentionWeights: ("qkv_fp8", "o_proj_fp8"), DeltaNetWeights: ("in_proj_fp8", "out_proj_fp8")}
+    for layer in km.layers:
+        assert all(getattr(layer.mixer, f) is not None for f in fields[type(layer.mixer)])
+    plain = copy.copy(km)
+    plain.layers = [
+        dataclasses.replace(x, mixer=dataclasses.replace(x.mixer, **dict.fromkeys(fields[type(x.mixer)])))
+        for x in km.layers
+    ]
+    (prompt,) = _random_prompts(cfg.vocab_size, [21])
+    states, logits = [], []
+    for model in (km, plain):
+        state = model.new_state(2, 40)
+        nxt = model.prefill_prompts(state, [prompt], [1]).argmax(-1)
+        pos = torch.tensor([len(prompt)], dtype=torch.int32, device=DEVICE)
+        logits.append(
+            model.decode(state, nxt, pos, torch.tensor([1], dtype=torch.int32, device=DEVICE)).float()
+        )
+        states.append(state)
+    assert rel_err(logits[0], logits[1]) < 1e-2 and torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    _assert_slot_state_matches(states[1], states[0], 1, len(prompt) + 1)
+    _, _, nvfp4 = _models("tiny-qwen3.5-moe", "nvfp4")
+    assert all(getattr(x.mixer, f) is None for x in nvfp4.layers for f in fields[type(x.mixer)])
 
 
 def test_slots_refill_and_stop_rules():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from batchinfer.kernels.fp8_gemm import fp8_dequantize, fp8_gemm, fp8_gemm_ref
+from batchinfer.kernels.fp8_gemm import fp8_dequantize, fp8_gemm, fp8_gemm_ref, fp8_gemv, stack_fp8
 from batchinfer.kernels.nvfp4 import quantize_fp8
 from batchinfer.kernels.nvfp4_gemm import FUSED_MAX_M, GemmConfig, choose_split_k
 
@@ -50,6 +50,30 @@ def test_one_row_takes_the_gemv(monkeypatch, n, k):
         fp8_gemm(x, w, out=out)
         _check(out, fp8_gemm_ref(x, w))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("k", [96, 1024])  # one split; 4 (the per-row scales of each split's partial)
+def test_stacked_rows_keep_each_tensors_scale(k):
+    """q|k|v-style stacking: three per-tensor FP8 weights of different scales as one GEMV, written into a
+    column slice of a wider row; the result is each weight's own product."""
+    g = torch.Generator().manual_seed(k)
+    ws = [
+        quantize_fp8(torch.randn(n, k, generator=g) * s).to(DEVICE)
+        for n, s in ((24, 0.5), (8, 0.01), (16, 3.0))
+    ]
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    rows = stack_fp8(ws)
+    assert rows.data.shape == (48, k) and rows.scale.shape == (48,)
+    wide = torch.full((1, 60), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    fp8_gemv(x, rows, out=wide[:, 4:52])
+    want = torch.cat([fp8_gemm_ref(x, w) for w in ws], dim=1)
+    for lo, hi in ((0, 24), (24, 32), (32, 48)):  # each weight within its own scale's tolerance
+        _check(wide[:, 4 + lo : 4 + hi], want[:, lo:hi])
+    assert wide[:, :4].isnan().all() and wide[:, 52:].isnan().all()
+    with pytest.raises(ValueError, match="share K"):
+        stack_fp8([ws[0], quantize_fp8(torch.randn(4, k + 16, generator=g)).to(DEVICE)])
+    with pytest.raises(ValueError, match=r"x: expected bfloat16 \[1, "):
+        fp8_gemv(torch.cat([x, x]), rows)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(17, 40, 96), (33, 70, 64)])

@@ -17,7 +17,7 @@ from batchinfer.kernels.moe import (
 )
 from batchinfer.kernels.moe_align import moe_align, moe_align_ref
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
-from batchinfer.kernels.moe_weights import stack_moe_weights
+from batchinfer.kernels.moe_weights import padded_rows, stack_moe_weights
 from batchinfer.kernels.nvfp4 import quantize_nvfp4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -254,11 +254,23 @@ def test_decode_path_under_cuda_graph(t, e, d, i, shared):
 
 
 @pytest.mark.parametrize("experts", [257, 128])
-def test_router_logits_rows_are_16_byte_aligned(experts):
-    """The router GEMM's output rows start on 16-byte boundaries (cuBLAS's aligned kernels), same values."""
+def test_router_logits_run_as_an_aligned_gemm(experts):
+    """A stacked router of E' rows sits in a zeroed buffer of E' rounded up to 8 rows; its logits come from
+    that aligned GEMM (cuBLAS's aligned kernels), rows 16-byte aligned, the same values as the plain
+    product. A router with no such buffer takes the plain product."""
     g = torch.Generator().manual_seed(experts)
     h = torch.randn(37, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    dense = torch.randn(16, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     router = torch.randn(experts, 64, generator=g).to(torch.bfloat16).to(DEVICE)
-    logits = router_logits(h, router)
+    w = stack_moe_weights(router, [(dense, dense, dense.t())] * experts)
+    assert torch.equal(w.router, router)
+    full = padded_rows(w.router)
+    rows = -(-experts // 8) * 8
+    if rows == experts:
+        assert full is None
+    else:
+        assert full.shape == (rows, 64) and torch.equal(full[:experts], router) and not full[experts:].any()
+    logits = router_logits(h, w.router)
     assert logits.shape == (37, experts) and logits.stride(1) == 1 and logits.stride(0) * 2 % 16 == 0
     assert _rel(logits, h @ router.t()) < 1e-2  # another cuBLAS kernel on the GPU: same values up to order
+    assert padded_rows(router) is None and torch.equal(router_logits(h, router), h @ router.t())

@@ -125,7 +125,7 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
 )
 @click.option(
     "--prefill-graph-tokens",
-    default=0,  # engine.fast.FastGenerator's default
+    default=2048,  # engine.fast.PREFILL_GRAPH_TOKENS
     show_default=True,
     type=click.IntRange(min=0),
     help="Fast engine: a pass that is one fresh prompt whose length rounded up to a power of two (at least "
@@ -224,7 +224,8 @@ def run(
         raise click.UsageError("--deltanet-state applies to the fast engine (--engine fast)")
     if kv_cache != "bfloat16" and engine_name != "fast":
         raise click.UsageError("--kv-cache applies to the fast engine (--engine fast)")
-    if (prefill_tokens, refill_fraction, prefill_graph_tokens) != (16384, 0.125, 0) and engine_name != "fast":
+    schedule = (prefill_tokens, refill_fraction, prefill_graph_tokens)
+    if schedule != (16384, 0.125, 2048) and engine_name != "fast":
         raise click.UsageError(
             "--prefill-tokens, --refill-fraction and --prefill-graph-tokens apply to the fast engine "
             "(--engine fast)"

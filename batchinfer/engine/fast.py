@@ -39,6 +39,9 @@ MAX_SLOTS = 512  # decode batch cap: past it the MoE reads every expert anyway a
 PREFILL_TOKENS = 16384  # prompt tokens per prefill pass
 REFILL_FRACTION = 0.125  # waiting prompts are prefilled once this fraction of the slots is free
 MEMORY_RESERVE = 0.1  # of total GPU memory kept free for activations and the graphs' pool
+# A lone fresh prompt up to this long is prefilled by a CUDA graph: `single`'s time to first token on the
+# H200 went from 44.2 to 26.5 ms (Qwen3.6, 512 tokens, session 10), the same output tokens.
+PREFILL_GRAPH_TOKENS = 2048
 
 
 @dataclass(slots=True, eq=False)  # identity: `in` tests find the very sequence
@@ -83,7 +86,7 @@ class FastGenerator:
         prefill_tokens: int = PREFILL_TOKENS,
         refill_fraction: float = REFILL_FRACTION,
         cuda_graphs: bool | None = None,
-        prefill_graph_tokens: int = 0,
+        prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
     ) -> None:
         if prefill_tokens < 1 or not 0 < refill_fraction <= 1 or prefill_graph_tokens < 0:
             raise ValueError(
@@ -317,6 +320,7 @@ class FastGenerator:
             first = dict(zip(done, tokens.tolist(), strict=True))
         return [(s, n, first.get(i)) for i, (s, n) in enumerate(pieces)]
 
+    @torch.inference_mode()  # the graph's input buffers are inference tensors (captured in `prepare`)
     def _prefill_graphed(self, prompt: list[int], slot: int, bucket: int) -> torch.Tensor:
         """Logits `[1, V]` of one fresh prompt, by the CUDA graph of its length bucket (captured on first
         use, after a warm-up pass of the same lengths that writes only the scratch slot)."""

@@ -7,7 +7,12 @@ Weights are laid out once at load time for the kernels:
 - every other linear (attention and DeltaNet projections, lm_head) is dequantized to bf16 once and
   runs on cuBLAS, with the projections that read the same input concatenated into one matrix
   (q|k|v, DeltaNet qkv|z|b|a). Measured on the H200 (docs/PERF.md), cuBLAS on the bf16 weight beats
-  our NVFP4 and FP8 W-only kernels at these shapes for every M, and these weights are ~7% of the bytes.
+  our NVFP4 and FP8 W-only kernels at these shapes from 8 rows up, and these weights are ~7% of the
+  bytes of the model;
+- except in single-stream decode (one row), where these projections are most of the bytes a step
+  reads: projections that are FP8 in the checkpoint (NVIDIA's mixed layout) also keep their FP8 bytes,
+  stacked the same way (`FP8Rows`), and one row runs the FP8 GEMV on them (q|k|v 7.5 us against
+  cuBLAS's 11.8 us on the H200, session 10).
 State lives in per-slot pools preallocated by the caller (`SlotState`): the KV cache
 `[slots, Hkv, max_len, Dh]` per attention layer (bf16, or FP8 with a scale per token and head when asked,
 `kv_cache`: half the bytes, at some accuracy; `kernels/kv_cache.py`), conv state `[slots, K - 1, C]`
@@ -31,6 +36,7 @@ import torch
 
 from batchinfer.kernels.attention import decode_attention, prefill_attention, prefill_attention_cached
 from batchinfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from batchinfer.kernels.fp8_gemm import FP8Rows, fp8_gemv, stack_fp8
 from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 from batchinfer.kernels.kv_cache import store_kv
@@ -63,12 +69,26 @@ def _expert(w: Linear) -> Linear:
     return w if isinstance(w, NVFP4Weight) else dense_bf16(w)
 
 
+def _fp8_rows(ws: Sequence[Linear]) -> FP8Rows | None:
+    """The weights stacked as FP8 rows for one-row decode, when all of them are FP8 in the checkpoint."""
+    return stack_fp8(ws) if all(isinstance(w, FP8Weight) for w in ws) else None  # type: ignore[arg-type]
+
+
+def _linear(h: torch.Tensor, dense: torch.Tensor, fp8: FP8Rows | None) -> torch.Tensor:
+    """`h @ dense^T`; one row on the FP8 bytes when the checkpoint has them."""
+    if fp8 is not None and h.shape[0] == 1:
+        return fp8_gemv(h, fp8)
+    return h @ dense.t()
+
+
 @dataclass(slots=True)
 class AttentionWeights:
     qkv: torch.Tensor  # bf16 [H * Dh (* 2 with the output gate) + 2 * Hkv * Dh, D]
     o_proj: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
+    qkv_fp8: FP8Rows | None = None  # the same rows as FP8, where the checkpoint has them (one-row decode)
+    o_proj_fp8: FP8Rows | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +99,8 @@ class DeltaNetWeights:
     dt_bias: torch.Tensor  # fp32 [Hv]
     norm: torch.Tensor  # [Dv]
     out_proj: torch.Tensor
+    in_proj_fp8: FP8Rows | None = None  # rows qkv | z as FP8 (b | a are bf16 in NVIDIA's checkpoints)
+    out_proj_fp8: FP8Rows | None = None
 
 
 @dataclass(slots=True)
@@ -182,11 +204,14 @@ class KernelModel:
         mixer: AttentionWeights | DeltaNetWeights
         if kind == "full_attention":
             a = p + "self_attn."
+            qkv = [w[a + n] for n in ("q_proj", "k_proj", "v_proj")]
             mixer = AttentionWeights(
-                qkv=torch.cat([dense_bf16(w[a + n]) for n in ("q_proj", "k_proj", "v_proj")]).contiguous(),
+                qkv=torch.cat([dense_bf16(x) for x in qkv]).contiguous(),
                 o_proj=dense_bf16(w[a + "o_proj"]).contiguous(),
                 q_norm=w[a + "q_norm"].to(torch.bfloat16),
                 k_norm=w[a + "k_norm"].to(torch.bfloat16),
+                qkv_fp8=_fp8_rows(qkv),
+                o_proj_fp8=_fp8_rows([w[a + "o_proj"]]),
             )
         else:
             a = p + "linear_attn."
@@ -198,6 +223,8 @@ class KernelModel:
                 dt_bias=w[a + "dt_bias"].float().contiguous(),
                 norm=w[a + "norm"].to(torch.bfloat16),
                 out_proj=dense_bf16(w[a + "out_proj"]).contiguous(),
+                in_proj_fp8=_fp8_rows([w[a + "in_proj_qkv"], w[a + "in_proj_z"]]),
+                out_proj_fp8=_fp8_rows([w[a + "out_proj"]]),
             )
         m = p + "mlp."
         experts = [tuple(_expert(w[f"{m}experts.{e}.{n}"]) for n in _MLP) for e in range(c.num_experts)]
@@ -347,7 +374,7 @@ class KernelModel:
                 kc, vc, ks, vs = state.kv(i)
                 store_kv(k, v, kc, vc, ks, vs, slot_idx, pos_idx)
                 o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)
-                h = o.reshape(len(ids), -1) @ layer.mixer.o_proj.t()
+                h = _linear(o.reshape(len(ids), -1), layer.mixer.o_proj, layer.mixer.o_proj_fp8)
             else:
                 h = self._deltanet(h, layer.mixer, state, i, slots, None, 1)
             h, residual = add_rmsnorm(h, residual, layer.post_norm, c.rms_norm_eps, c.one_plus_norm)
@@ -359,7 +386,7 @@ class KernelModel:
         """q, k (normed, rotated), v `[T, heads, Dh]` and the output gate (or None) of one attention layer."""
         c = self.config
         T, H, Hkv, Dh = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = h @ w.qkv.t()
+        qkv = _linear(h, w.qkv, w.qkv_fp8)
         q_width = H * Dh * (2 if c.attn_output_gate else 1)
         q = qkv[:, :q_width].view(T, H, -1)  # Qwen3.5 interleaves per head: [h0 q | h0 gate | h1 q ...]
         gate = q[..., Dh:] if c.attn_output_gate else None
@@ -386,7 +413,7 @@ class KernelModel:
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
         Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         C = self._conv_dim
-        proj = h @ w.in_proj.t()  # [T, C + Hv * Dv + 2 * Hv]
+        proj = self._in_proj(h, w)  # [T, C + Hv * Dv + 2 * Hv]
         conv_state, rec = state.conv[i], state.recurrent[i]
         if cu_seqlens is None:
             mixed = causal_conv1d_update(proj[:, :C], w.conv, conv_state, slots)  # type: ignore[arg-type]
@@ -416,4 +443,15 @@ class KernelModel:
                 past=past,
             )
         o = gated_rmsnorm(o, z, w.norm, c.rms_norm_eps)
-        return o.reshape(T, Hv * Dv) @ w.out_proj.t()
+        return _linear(o.reshape(T, Hv * Dv), w.out_proj, w.out_proj_fp8)
+
+    @staticmethod
+    def _in_proj(h: torch.Tensor, w: DeltaNetWeights) -> torch.Tensor:
+        """`h @ in_proj^T`; one row reads qkv | z as FP8 where it can and b | a (bf16) on cuBLAS."""
+        if w.in_proj_fp8 is None or h.shape[0] != 1:
+            return h @ w.in_proj.t()
+        n8 = w.in_proj_fp8.data.shape[0]
+        proj = torch.empty((1, w.in_proj.shape[0]), dtype=h.dtype, device=h.device)
+        fp8_gemv(h, w.in_proj_fp8, out=proj[:, :n8])
+        torch.mm(h, w.in_proj[n8:].t(), out=proj[:, n8:])
+        return proj

@@ -10,7 +10,13 @@ from pathlib import Path
 import torch
 
 from batchinfer.checkpoint.loader import load_checkpoint, model_config_from_hf, read_raw_config
-from batchinfer.engine.fast import MAX_SLOTS, PREFILL_TOKENS, REFILL_FRACTION, FastGenerator
+from batchinfer.engine.fast import (
+    MAX_SLOTS,
+    PREFILL_GRAPH_TOKENS,
+    PREFILL_TOKENS,
+    REFILL_FRACTION,
+    FastGenerator,
+)
 from batchinfer.engine.gpu import FastEngine
 from batchinfer.engine.kernel_model import KernelModel
 from batchinfer.engine.reference import DEFAULT_MAX_BATCH_SIZE, ReferenceEngine, context_limit
@@ -74,7 +80,7 @@ def load_engine(
     kv_cache: str = "bfloat16",
     prefill_tokens: int | str = PREFILL_TOKENS,
     refill_fraction: float | str = REFILL_FRACTION,
-    prefill_graph_tokens: int | str = 0,
+    prefill_graph_tokens: int | str = PREFILL_GRAPH_TOKENS,
 ) -> ReferenceEngine:
     """Load a checkpoint folder onto `device` and wrap it in an engine.
 
@@ -133,7 +139,7 @@ def load_engine(
     if not fast and (prefill_tokens, refill_fraction, prefill_graph_tokens) != (
         PREFILL_TOKENS,
         REFILL_FRACTION,
-        0,
+        PREFILL_GRAPH_TOKENS,
     ):
         raise ConfigError(
             "engine arguments prefill_tokens, refill_fraction and prefill_graph_tokens apply to the fast "
