@@ -614,11 +614,12 @@ def fused_moe(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> 
 
 def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     """`h @ router^T` `[T, E']` bf16, as the HF router computes it. With E' not a multiple of 8 (Qwen3.6's
-    257: 256 experts and the shared expert's gate) cuBLAS takes an unaligned sm_75 kernel (11.8 ms of a
-    16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200, session 10), so a router
-    stacked by `stack_moe_weights` (zero rows after it, `padded_rows`) runs as the padded GEMM, whose
-    first E' columns are the logits."""
-    full = padded_rows(router)
+    257: 256 experts and the shared expert's gate) cuBLAS takes an unaligned sm_75 kernel for more than one
+    row (11.8 ms of a 16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200), so a router
+    stacked by `stack_moe_weights` (zero rows after it, `padded_rows`) runs as the padded GEMM, whose first
+    E' columns are the logits (5.4 us at batch 32, session 10). One row keeps cuBLAS's GEMV on the
+    unpadded rows (3.0 us; the padded GEMM took 5.2)."""
+    full = padded_rows(router) if h.shape[0] > 1 else None
     return h @ router.t() if full is None else (h @ full.t())[:, : router.shape[0]]
 
 
