@@ -15,7 +15,9 @@ and moves each decoded W tile through shared memory into the MMA layout, and rea
 (8192 x 2048) on the H200, where cuBLAS bf16 moves 3.0 TB/s; the GEMV converts each byte once in
 registers (E4M3 -> fp32 is exact) and keeps per-thread partial sums. Its K loop is pipelined explicitly
 (`tl.range(num_stages=3)`): with no dot in the loop Triton left its loads synchronous, and ncu saw 35% of
-DRAM bandwidth at q_proj's shape (session 7); now cp.async (sm_90 compile). sm_90.
+DRAM bandwidth at q_proj's shape (session 7); now cp.async (sm_90 compile): 7.3 us at q_proj, 2.3 TB/s,
+against cuBLAS bf16's 11.4 us (session 10). `fp8_gemv` runs the same kernel on `FP8Rows`, per-tensor
+weights stacked along N with a scale per row: the engine's q|k|v and DeltaNet qkv|z in one launch. sm_90.
 """
 
 from __future__ import annotations
