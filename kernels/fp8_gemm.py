@@ -129,86 +129,111 @@ def _fp8_gemm_kernel(
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, ws_ptr, lock_ptr,  #
-    N, K, stride_wn, stride_s,  #
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,  #
+    x_ptr, w_ptr, scale_ptr, tail_ptr, out_ptr, ws_ptr, lock_ptr,  #
+    N, N_TAIL, K, stride_wn, stride_s,  #
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_TAIL: tl.constexpr,  #
 ):
     """out[n] = scale[n] * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K (scale[n]
-    at n * stride_s: 0 for one tensor scale, 1 for stacked weights' rows): partial sums [BLOCK_N, BLOCK_K]
-    per thread, one reduction at the end, split partials summed in split order by the last program to
-    finish (as `_fp8_gemm_kernel`)."""
+    at n * stride_s: 0 for one tensor scale, 1 for stacked weights' rows); with HAS_TAIL, rows N to
+    N + N_TAIL are bf16 rows of `tail` [N_TAIL, K] (scale 1), a tile across the boundary runs both loops.
+    Partial sums [BLOCK_N, BLOCK_K] per thread, one reduction at the end, split partials summed in split
+    order by the last program to finish (as `_fp8_gemm_kernel`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rows < N
+    mask_w = rows < N
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=3):
-        cols = k + tl.arange(0, BLOCK_K)
-        mask_k = cols < k_end
-        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-        b = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0)
-        acc += b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x[None, :]
-    part = tl.sum(acc, axis=1) * tl.load(scale_ptr + rows * stride_s, mask=mask_n, other=0.0)
+    if pid_n * BLOCK_N < N:
+        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=3):
+            cols = k + tl.arange(0, BLOCK_K)
+            mask_k = cols < k_end
+            x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+            b = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :],
+                        mask=mask_w[:, None] & mask_k[None, :], other=0)
+            acc += b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x[None, :]
+    n_out = N
+    if HAS_TAIL:
+        n_out = N + N_TAIL
+        mask_t = (rows >= N) & (rows < n_out)
+        if (pid_n + 1) * BLOCK_N > N:
+            for k in tl.range(k_start, k_end, BLOCK_K, num_stages=3):
+                cols = k + tl.arange(0, BLOCK_K)
+                mask_k = cols < k_end
+                x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+                t = tl.load(tail_ptr + (rows - N)[:, None] * K + cols[None, :],
+                            mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+                acc += t.to(tl.float32) * x[None, :]
+    mask_n = rows < n_out
+    part = tl.sum(acc, axis=1) * tl.load(scale_ptr + rows * stride_s, mask=mask_w, other=1.0)
     if SPLIT_K == 1:
         tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
-        tl.store(ws_ptr + pid_k * N + rows, part, mask=mask_n)
+        tl.store(ws_ptr + pid_k * n_out + rows, part, mask=mask_n)
         tl.debug_barrier()
         done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for i in range(SPLIT_K):
-                total += tl.load(ws_ptr + i * N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
+                total += tl.load(ws_ptr + i * n_out + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask_n)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
 @dataclass(slots=True)
 class FP8Rows:
-    """Per-tensor FP8 weights stacked along N, each row with its own tensor's scale, so that linears
-    reading one input (q|k|v) run as one GEMV on their checkpoint bytes."""
+    """Per-tensor FP8 weights stacked along N, each row with its own tensor's scale, then optional bf16
+    rows, so that linears reading one input (q|k|v; DeltaNet's qkv|z|b|a, whose b and a NVIDIA's
+    checkpoints keep in bf16) run as one GEMV on their checkpoint bytes."""
 
     data: torch.Tensor  # float8_e4m3fn [N, K]
     scale: torch.Tensor  # float32 [N]
+    tail: torch.Tensor | None = None  # bf16 [N_TAIL, K]: output rows N to N + N_TAIL
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0] + (0 if self.tail is None else self.tail.shape[0])
 
 
-def stack_fp8(weights: Sequence[FP8Weight]) -> FP8Rows:
-    """`weights` (same K) as one `FP8Rows`: the data concatenated, each tensor scale repeated per row."""
-    ks = {w.shape[1] for w in weights}
+def stack_fp8(weights: Sequence[FP8Weight], tail: Sequence[torch.Tensor] = ()) -> FP8Rows:
+    """`weights` (same K) as one `FP8Rows`: the data concatenated, each tensor scale repeated per row; then
+    the bf16 `tail` matrices' rows."""
+    ks = {w.shape[1] for w in weights} | {t.shape[1] for t in tail}
     if len(ks) != 1:
         raise ValueError(f"FP8 weights to stack must share K, got K in {sorted(ks)}")
     data = torch.cat([w.data.view(torch.uint8) for w in weights]).view(torch.float8_e4m3fn)
     scale = torch.cat([w.scale.reshape(1).expand(w.shape[0]) for w in weights]).contiguous()
-    return FP8Rows(data, scale)
+    rows = torch.cat([t.to(torch.bfloat16) for t in tail]).contiguous() if tail else None
+    return FP8Rows(data, scale, rows)
 
 
 def _fp8_gemv(x: torch.Tensor, w: FP8Weight | FP8Rows, out: torch.Tensor) -> None:
-    """`_fp8_gemv_kernel` for one row: x `[1, K]`, out `[1, N]` (unit strides)."""
+    """`_fp8_gemv_kernel` for one row: x `[1, K]`, out `[1, N (+ N_TAIL)]` (unit strides)."""
     n, k = w.data.shape
+    tail = w.tail if isinstance(w, FP8Rows) else None
+    n_tail = 0 if tail is None else tail.shape[0]
     block_n, block_k = (16, 32) if interpreting() else (16, 256)
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n + n_tail, block_n)
     split = choose_split_k(tiles, k, block_k, num_sms(x.device))
-    ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    ws = torch.empty((split, n + n_tail), dtype=torch.float32, device=x.device) if split > 1 else out
     locks = split_k_locks(x.device, tiles) if split > 1 else out
     _fp8_gemv_kernel[(tiles, split)](
-        x, w.data.view(torch.uint8), w.scale, out, ws, locks,  #
-        n, k, w.data.stride(0), int(w.scale.ndim == 1),  #
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4,  #
+        x, w.data.view(torch.uint8), w.scale, x if tail is None else tail, out, ws, locks,  #
+        n, n_tail, k, w.data.stride(0), int(w.scale.ndim == 1),  #
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_TAIL=tail is not None, num_warps=4,  #
     )
 
 
 def fp8_gemv(x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One bf16 row `x [1, K]` times stacked FP8 rows `W [N, K]` transposed -> `[1, N]` bf16, reading the
-    FP8 bytes (single-stream decode, where the weights are all the bytes a step moves). `out` may be a
-    view with unit column stride."""
-    n, k = w.data.shape
+    """One bf16 row `x [1, K]` times stacked FP8 (and bf16 tail) rows `W [N, K]` transposed -> `[1, N]`
+    bf16, reading the FP8 bytes (single-stream decode, where the weights are all the bytes a step moves).
+    `out` may be a view with unit column stride."""
+    k = w.data.shape[1]
     if x.shape != (1, k) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
-    out = check_gemm_out(out, 1, n, x.device)
+    out = check_gemm_out(out, 1, w.rows, x.device)
     _fp8_gemv(x, w, out)
     return out
 

@@ -53,23 +53,28 @@ def test_one_row_takes_the_gemv(monkeypatch, n, k):
 
 
 @pytest.mark.parametrize("k", [96, 1024])  # one split; 4 (the per-row scales of each split's partial)
-def test_stacked_rows_keep_each_tensors_scale(k):
-    """q|k|v-style stacking: three per-tensor FP8 weights of different scales as one GEMV, written into a
-    column slice of a wider row; the result is each weight's own product."""
-    g = torch.Generator().manual_seed(k)
+@pytest.mark.parametrize("tail_rows", [0, 3, 21])  # none; inside the last FP8 tile; that tile and one more
+def test_stacked_rows_keep_each_tensors_scale(k, tail_rows):
+    """q|k|v-style stacking: three per-tensor FP8 weights of different scales, then bf16 tail rows (DeltaNet's
+    b|a), as one GEMV written into a column slice of a wider row; each part is its weight's own product."""
+    g = torch.Generator().manual_seed(k + tail_rows)
     ws = [
         quantize_fp8(torch.randn(n, k, generator=g) * s).to(DEVICE)
-        for n, s in ((24, 0.5), (8, 0.01), (16, 3.0))
+        for n, s in ((24, 0.5), (8, 0.01), (13, 3.0))
+    ]
+    tails = [
+        (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE) for n in (tail_rows // 3,) * 3
     ]
     x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(DEVICE)
-    rows = stack_fp8(ws)
-    assert rows.data.shape == (48, k) and rows.scale.shape == (48,)
-    wide = torch.full((1, 60), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    fp8_gemv(x, rows, out=wide[:, 4:52])
-    want = torch.cat([fp8_gemm_ref(x, w) for w in ws], dim=1)
-    for lo, hi in ((0, 24), (24, 32), (32, 48)):  # each weight within its own scale's tolerance
+    rows = stack_fp8(ws, tails if tail_rows else ())
+    assert rows.data.shape == (45, k) and rows.scale.shape == (45,) and rows.rows == 45 + tail_rows
+    wide = torch.full((1, 52 + tail_rows), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    fp8_gemv(x, rows, out=wide[:, 4 : 49 + tail_rows])
+    want = torch.cat([fp8_gemm_ref(x, w) for w in ws] + [x.float() @ t.float().t() for t in tails], dim=1)
+    bounds = [0, 24, 32, 45] + [45 + i * tail_rows // 3 for i in (1, 2, 3)] if tail_rows else [0, 24, 32, 45]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):  # each weight within its own scale's tolerance
         _check(wide[:, 4 + lo : 4 + hi], want[:, lo:hi])
-    assert wide[:, :4].isnan().all() and wide[:, 52:].isnan().all()
+    assert wide[:, :4].isnan().all() and wide[:, 49 + tail_rows :].isnan().all()
     with pytest.raises(ValueError, match="share K"):
         stack_fp8([ws[0], quantize_fp8(torch.randn(4, k + 16, generator=g)).to(DEVICE)])
     with pytest.raises(ValueError, match=r"x: expected bfloat16 \[1, "):

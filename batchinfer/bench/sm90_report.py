@@ -291,6 +291,8 @@ def _moe_launches() -> Iterator[tuple]:
 def _fp8_gemv_launches() -> Iterator[tuple]:
     w, x = quantize_fp8(torch.randn(8192, 2048) * 0.02), _t(1, 2048)  # q_proj, one row
     yield "N=8192 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemm(x, w)
+    rows = fp8_gemm.stack_fp8([quantize_fp8(torch.randn(12288, 2048) * 0.02)], [_t(64, 2048)])  # qkv|z, b|a
+    yield "N=12288+64 bf16 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemv(x, rows)
 
 
 def _moe_align_launches() -> Iterator[tuple]:

@@ -11,8 +11,8 @@ Weights are laid out once at load time for the kernels:
   bytes of the model;
 - except in single-stream decode (one row), where these projections are most of the bytes a step
   reads: projections that are FP8 in the checkpoint (NVIDIA's mixed layout) also keep their FP8 bytes,
-  stacked the same way (`FP8Rows`), and one row runs the FP8 GEMV on them (q|k|v 7.5 us against
-  cuBLAS's 11.8 us on the H200, session 10).
+  stacked the same way (`FP8Rows`; DeltaNet's b|a, bf16 there, as the stack's bf16 tail), and one row
+  runs the FP8 GEMV on them (q|k|v 7.5 us against cuBLAS's 11.8 us on the H200, session 10).
 State lives in per-slot pools preallocated by the caller (`SlotState`): the KV cache
 `[slots, Hkv, max_len, Dh]` per attention layer (bf16, or FP8 with a scale per token and head when asked,
 `kv_cache`: half the bytes, at some accuracy; `kernels/kv_cache.py`), conv state `[slots, K - 1, C]`
@@ -69,9 +69,12 @@ def _expert(w: Linear) -> Linear:
     return w if isinstance(w, NVFP4Weight) else dense_bf16(w)
 
 
-def _fp8_rows(ws: Sequence[Linear]) -> FP8Rows | None:
-    """The weights stacked as FP8 rows for one-row decode, when all of them are FP8 in the checkpoint."""
-    return stack_fp8(ws) if all(isinstance(w, FP8Weight) for w in ws) else None  # type: ignore[arg-type]
+def _fp8_rows(ws: Sequence[Linear], tail: Sequence[Linear] = ()) -> FP8Rows | None:
+    """The weights stacked as FP8 rows for one-row decode, when all of them are FP8 in the checkpoint, then
+    the `tail` weights' rows in bf16."""
+    if not all(isinstance(w, FP8Weight) for w in ws):
+        return None
+    return stack_fp8(ws, [dense_bf16(t) for t in tail])  # type: ignore[arg-type]
 
 
 def _linear(h: torch.Tensor, dense: torch.Tensor, fp8: FP8Rows | None) -> torch.Tensor:
@@ -99,7 +102,7 @@ class DeltaNetWeights:
     dt_bias: torch.Tensor  # fp32 [Hv]
     norm: torch.Tensor  # [Dv]
     out_proj: torch.Tensor
-    in_proj_fp8: FP8Rows | None = None  # rows qkv | z as FP8 (b | a are bf16 in NVIDIA's checkpoints)
+    in_proj_fp8: FP8Rows | None = None  # qkv | z as FP8, b | a (bf16 in NVIDIA's checkpoints) as its tail
     out_proj_fp8: FP8Rows | None = None
 
 
@@ -223,7 +226,7 @@ class KernelModel:
                 dt_bias=w[a + "dt_bias"].float().contiguous(),
                 norm=w[a + "norm"].to(torch.bfloat16),
                 out_proj=dense_bf16(w[a + "out_proj"]).contiguous(),
-                in_proj_fp8=_fp8_rows([w[a + "in_proj_qkv"], w[a + "in_proj_z"]]),
+                in_proj_fp8=_fp8_rows([w[a + n] for n in parts[:2]], [w[a + n] for n in parts[2:]]),
                 out_proj_fp8=_fp8_rows([w[a + "out_proj"]]),
             )
         m = p + "mlp."
@@ -413,7 +416,7 @@ class KernelModel:
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
         Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         C = self._conv_dim
-        proj = self._in_proj(h, w)  # [T, C + Hv * Dv + 2 * Hv]
+        proj = _linear(h, w.in_proj, w.in_proj_fp8)  # [T, C + Hv * Dv + 2 * Hv]
         conv_state, rec = state.conv[i], state.recurrent[i]
         if cu_seqlens is None:
             mixed = causal_conv1d_update(proj[:, :C], w.conv, conv_state, slots)  # type: ignore[arg-type]
@@ -444,14 +447,3 @@ class KernelModel:
             )
         o = gated_rmsnorm(o, z, w.norm, c.rms_norm_eps)
         return _linear(o.reshape(T, Hv * Dv), w.out_proj, w.out_proj_fp8)
-
-    @staticmethod
-    def _in_proj(h: torch.Tensor, w: DeltaNetWeights) -> torch.Tensor:
-        """`h @ in_proj^T`; one row reads qkv | z as FP8 where it can and b | a (bf16) on cuBLAS."""
-        if w.in_proj_fp8 is None or h.shape[0] != 1:
-            return h @ w.in_proj.t()
-        n8 = w.in_proj_fp8.data.shape[0]
-        proj = torch.empty((1, w.in_proj.shape[0]), dtype=h.dtype, device=h.device)
-        fp8_gemv(h, w.in_proj_fp8, out=proj[:, :n8])
-        torch.mm(h, w.in_proj[n8:].t(), out=proj[:, n8:])
-        return proj
