@@ -13,7 +13,8 @@ weight sigmoid(shared_gate logit)) -> one of four paths (by entry count and layo
 - the fused grouped GEMMs (bf16 experts, or NVFP4 in the standard layout): `moe_align` (entries grouped
   by expert, BLOCK_M-padded) -> gate_up GEMM (x rows gathered by token, gate and up tiles of the same
   columns, `silu(g) * u` in the fp32 epilogue, written per entry) -> down GEMM (routing weight applied in
-  the epilogue, written per entry) -> a sum over each token's slots (one pass over `[T, A, D]`, fp32);
+  the epilogue, written per entry) -> a sum over each token's slots (`small_ops.sum_slots`: one pass
+  over `[T, A, D]`, fp32);
 - many entries (prefill): the experts decoded to bf16 once, then `torch._grouped_mm`
   (`moe_grouped_mm.py`).
 Weights are stacked at load (`moe_weights.stack_moe_weights`): NVFP4 `uint8 [E', 2I, D/2]` (gate rows then up
@@ -44,6 +45,7 @@ from batchinfer.kernels.nvfp4_gemm import (
     interpreting,
     split_k_locks,
 )
+from batchinfer.kernels.small_ops import sum_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,7 +605,7 @@ def moe_experts(
     y = torch.empty((numel, d), dtype=torch.bfloat16, device=h.device)  # [T*A', D]
     _launch_moe_gemm(h, w, True, inter, rw, sorted_ids, block_expert, num_padded, numel, a_slots, cfg)
     _launch_moe_gemm(inter, w, False, y, rw, sorted_ids, block_expert, num_padded, numel, 1, cfg)
-    return y.view(t, a_slots, d).sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
+    return sum_slots(y, a_slots)
 
 
 def fused_moe(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> torch.Tensor:

@@ -54,6 +54,7 @@ import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4_gemm import bf16_rne, e2m1_to_f32, e4m3_to_f32, interpreting
+from batchinfer.kernels.small_ops import sum_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,4 +370,4 @@ def moe_experts_tc(
     y = torch.empty((numel, d), dtype=torch.bfloat16, device=h.device)
     _launch(h, w, True, inter, route_w, sorted_ids, block_expert, num_padded, numel, a_slots, cfg)
     _launch(inter, w, False, y, route_w, sorted_ids, block_expert, num_padded, numel, 1, cfg)
-    return y.view(t, a_slots, d).sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
+    return sum_slots(y, a_slots)

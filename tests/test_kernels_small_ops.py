@@ -10,6 +10,7 @@ from batchinfer.kernels.small_ops import (
     rmsnorm,
     silu_mul,
     silu_mul_ref,
+    sum_slots,
 )
 from kernel_checks import DEV, rel_err
 from test_kernels_gdn import poison_empty
@@ -81,6 +82,21 @@ def test_embedding():
     assert torch.equal(embedding(ids, table), embedding_ref(ids, table))
 
 
+@pytest.mark.parametrize("T,A,D", [(3, 9, 96), (2, 8, 100), (1, 1, 2048), (4, 3, 5000)])
+def test_sum_slots(monkeypatch, T, A, D):
+    """Each token's A rows summed in fp32 and rounded once: within one bf16 rounding of the fp32 sum, which
+    needs A_PAD > A (masked slots), a D that is not a block multiple and D wider than one block."""
+    poison_empty(monkeypatch)
+    y = torch.randn(T * A, D).to(torch.bfloat16).to(DEV)
+    want = y.view(T, A, D).float().sum(1)
+    got = sum_slots(y, A)
+    assert got.dtype == torch.bfloat16 and got.shape == (T, D) and not got.isnan().any()
+    assert torch.all((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6)
+    if A > 1:
+        with pytest.raises(ValueError, match=f"multiple of {A} rows"):
+            sum_slots(y[1:], A)
+
+
 @pytest.mark.gpu
 def test_real_shapes_gpu():
     x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
@@ -90,3 +106,5 @@ def test_real_shapes_gpu():
     assert rel_err(out, add_rmsnorm_ref(x, r, w, 1e-6, True)[0]) < 1e-2
     gu = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     assert rel_err(silu_mul(gu), silu_mul_ref(gu)) < 1e-2
+    y = torch.randn(32 * 9, 2048, device="cuda", dtype=torch.bfloat16)  # conc32's experts, Qwen3.6
+    assert rel_err(sum_slots(y, 9), y.view(32, 9, 2048).float().sum(1)) < 1e-2

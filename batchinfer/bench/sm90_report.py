@@ -235,6 +235,7 @@ def _small_op_launches() -> Iterator[tuple]:
     yield "D=2048", small_ops._add_rmsnorm_kernel, lambda: small_ops.add_rmsnorm(x, x, _t(2048), 1e-6, True)
     yield "I=512", small_ops._silu_mul_kernel, lambda: small_ops.silu_mul(_t(T, 1024))
     yield "D=2048", small_ops._embedding_kernel, lambda: small_ops.embedding(torch.arange(T), x)
+    yield "A=9 D=2048", small_ops._sum_slots_kernel, lambda: small_ops.sum_slots(_t(T * 9, 2048), 9)
     ones, k = torch.ones(n), torch.ones(n, dtype=torch.int32)
     draw = lambda: sampling.sample(
         _t(n, V, dtype=torch.float32), ones, k, ones * 0.9, torch.arange(n), torch.zeros(n, dtype=torch.int64)
