@@ -129,4 +129,6 @@ def format_breakdown(doc: dict[str, Any]) -> list[str]:
         lines.append(f"{what} ({shape}): {d['total_us']:.0f} us of device time{replay}")
         for group, us in d["groups"].items():
             lines.append(f"  {group:<20} {us:9.1f} us  {100 * us / d['total_us']:5.1f}%")
+        lines.append("  top kernels:")
+        lines += [f"    {k['us']:9.1f} us  {k['kernel']}" for k in d["top_kernels"]]
     return lines

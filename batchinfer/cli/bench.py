@@ -156,8 +156,9 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     "--breakdown",
     "breakdown_batch",
     type=int,
-    help="Fast engine: profile one decode step at this batch and one prefill pass (the first workload's "
-    "prompt length), per kernel, before the runs.",
+    help="Fast engine: profile one decode step at this batch and the first workload's first prefill pass "
+    "(its prompt length, as many prompts as one pass of --prefill-tokens holds), per kernel, before the "
+    "runs.",
 )
 @click.option(
     "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
@@ -255,10 +256,10 @@ def run(
         if breakdown_batch:  # kernel timings, independent of the lock: measured even when it fails
             from batchinfer.bench.breakdown import breakdown, format_breakdown
 
-            prompt_len = max(len(p) for p in workload_requests(names[0], max_requests=1, **shrink).prompts)
-            breakdown_doc = breakdown(
-                kernel_model, breakdown_batch, prompt_len, max(1, 8192 // prompt_len), prompt_len
-            )
+            first = workload_requests(names[0], max_requests=max_requests, **shrink).prompts
+            prompt_len = len(first[0])
+            prompts = min(len(first), max(1, prefill_tokens // prompt_len))  # `single`: its 1 x 512 pass
+            breakdown_doc = breakdown(kernel_model, breakdown_batch, prompt_len, prompts, prompt_len)
             for line in format_breakdown(breakdown_doc):
                 click.echo(line)
             if json_out:
