@@ -13,7 +13,9 @@ Small M is bandwidth-bound, so it splits K across CTAs (SPLIT_K > 1): partials g
 workspace and the last CTA of each tile (counted with an atomic) sums them and writes bf16, all in one
 launch. Above FUSED_MAX_M rows the decode would be repeated per M tile, so W is instead dequantized to
 bf16 once (`nvfp4_dequantize`, same decode, fp32 scale product rounded once to bf16) and cuBLAS runs
-the GEMM; huge weights (lm_head) go in row slices of at most 128 MiB.
+the GEMM; huge weights (lm_head) go in row slices of at most 128 MiB. One row (single-stream decode)
+takes a GEMV on CUDA cores instead (`_nvfp4_gemv_kernel`, the FP8 GEMV's scheme on the checkpoint
+layout), since the tensor-core kernel padded to 16 rows moved 0.4-0.7 TB/s at M=1 (session 10).
 Assumes sm_90 (or the Triton interpreter); one CUDA stream per device at a time uses the split-K
 counters.
 """
@@ -222,6 +224,53 @@ def _nvfp4_gemm_kernel(
 _LOCKS: dict[torch.device, list[torch.Tensor]] = {}
 
 
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, lock_ptr,  #
+    N, K, stride_wn, stride_sn,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,  #
+):
+    """out[n] = ts * sum_k x[k] W[n, k] for one row x, BLOCK_N rows n and one of SPLIT_K ranges of K, in
+    16-code groups: a row's 8 code bytes of each group ([BN, BG, 8]) decoded in registers (low nibble:
+    element 2j, high: 2j + 1) times x's even and odd elements, summed over the group and times the group's
+    scale; per-thread partial sums, one reduction at the end, splits summed as `_fp8_gemv_kernel`'s."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < N
+    G = K // 16
+    g_per_split = tl.cdiv(tl.cdiv(G, SPLIT_K), BLOCK_G) * BLOCK_G
+    g_start = pid_k * g_per_split
+    g_end = tl.minimum(G, g_start + g_per_split)
+    pair = tl.arange(0, 8)
+    acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    for g0 in tl.range(g_start, g_end, BLOCK_G, num_stages=3):
+        groups = g0 + tl.arange(0, BLOCK_G)
+        mask_g = groups < g_end
+        x = tl.load(x_ptr + groups[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_g[:, None], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_G, 8, 2)))  # [BG, 8] each
+        mask = mask_n[:, None] & mask_g[None, :]
+        byte = (groups[:, None] * 8 + pair[None, :])[None, :, :]  # [1, BG, 8]
+        b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask[:, :, None], other=0)
+        b = b.to(tl.int32)
+        dot = e2m1_to_f32(b, False) * x_even[None, :, :] + e2m1_to_f32(b, True) * x_odd[None, :, :]
+        scale = e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :], mask=mask, other=0))
+        acc += tl.sum(dot, axis=2) * scale
+    part = tl.sum(acc, axis=1) * (tl.load(ts_ptr) * 4194304.0)  # 2^22: the codes' 2^-14, the scales' 2^-8
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(ws_ptr + pid_k * N + rows, part, mask=mask_n)
+        tl.debug_barrier()
+        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in range(SPLIT_K):
+                total += tl.load(ws_ptr + i * N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
 def split_k_locks(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 split-K tile counters, reused across calls (each reducing CTA resets its own).
     Outgrown buffers are kept, never freed: a CUDA graph captured earlier still points at its buffer (the
@@ -300,6 +349,21 @@ def dequant_matmul(
         out[:, r0:r1].copy_(x @ dequant(r0, r1).t())
 
 
+def _nvfp4_gemv(x: torch.Tensor, w: NVFP4Weight, out: torch.Tensor) -> None:
+    """`_nvfp4_gemv_kernel` for one row: x `[1, K]`, out `[1, N]` (unit strides), K a multiple of 16."""
+    n, k = w.shape
+    block_n, block_g = (16, 2) if interpreting() else (16, 16)
+    tiles = triton.cdiv(n, block_n)
+    split = choose_split_k(tiles, k, 16 * block_g, num_sms(x.device))
+    ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    locks = split_k_locks(x.device, tiles) if split > 1 else out
+    _nvfp4_gemv_kernel[(tiles, split)](
+        x, w.packed, w.block_scale.view(torch.uint8), w.tensor_scale, out, ws, locks,  #
+        n, k, w.packed.stride(0), w.block_scale.stride(0),  #
+        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT_K=split, num_warps=4,  #
+    )
+
+
 def nvfp4_gemm(
     x: torch.Tensor, w: NVFP4Weight, out: torch.Tensor | None = None, config: GemmConfig | None = None
 ) -> torch.Tensor:
@@ -328,6 +392,9 @@ def nvfp4_gemm(
         return out.reshape(*x.shape[:-1], n)
     if config is None and m > FUSED_MAX_M:
         dequant_matmul(x2, lambda r0, r1: nvfp4_dequantize(w, r0, r1), n, out)
+        return out.reshape(*x.shape[:-1], n)
+    if config is None and m == 1:
+        _nvfp4_gemv(x2, w, out)
         return out.reshape(*x.shape[:-1], n)
     cfg = config or _nvfp4_gemm_configs(m, n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

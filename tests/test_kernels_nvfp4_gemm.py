@@ -88,6 +88,23 @@ def test_outgrown_split_k_counters_stay_allocated(monkeypatch):
     assert any(b is small for b in nvfp4_gemm_module._LOCKS[dev])  # still referenced, so never freed
 
 
+@pytest.mark.parametrize(
+    ("n", "k"), [(40, 96), (24, 304), (16, 1024)]
+)  # ragged last group block; 2; 4 splits
+def test_one_row_takes_the_gemv(monkeypatch, n, k):
+    """A single row (decode) runs the CUDA-core GEMV on the checkpoint layout, whole or split over K, twice
+    (split counters reset); exact weights, so only the accumulation order and the bf16 output round."""
+    calls = []
+    real = nvfp4_gemm_module._nvfp4_gemv
+    monkeypatch.setattr(nvfp4_gemm_module, "_nvfp4_gemv", lambda *a: calls.append(1) or real(*a))
+    for seed in (n + k, n + k + 1):
+        x, w = _case(1, n, k, seed=seed)
+        out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        nvfp4_gemm(x, w, out=out)
+        _check(out, nvfp4_gemm_ref(x, w))
+    assert len(calls) == 2
+
+
 def test_leading_dims_and_default_config():
     g = torch.Generator().manual_seed(3)
     w = quantize_nvfp4(torch.randn(24, 64, generator=g)).to(DEVICE)

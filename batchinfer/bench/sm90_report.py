@@ -36,16 +36,17 @@ from batchinfer.kernels import (
     moe,
     moe_align,
     moe_tc,
+    nvfp4_gemm,
     qk_norm_rope,
     sampling,
     small_ops,
 )
 from batchinfer.kernels.moe_weights import MoEWeights
-from batchinfer.kernels.nvfp4 import quantize_fp8
+from batchinfer.kernels.nvfp4 import quantize_fp8, quantize_nvfp4
 
 # fmt: off
 _MODULES = (attention, causal_conv1d, fp8_gemm, gdn, gdn_chunk, kv_cache, moe, moe_align, moe_tc,
-            qk_norm_rope, sampling, small_ops)
+            nvfp4_gemm, qk_norm_rope, sampling, small_ops)
 # fmt: on
 
 _PTR_TYPES = {
@@ -296,6 +297,11 @@ def _fp8_gemv_launches() -> Iterator[tuple]:
     yield "N=12288+64 bf16 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemv(x, rows)
 
 
+def _nvfp4_gemv_launches() -> Iterator[tuple]:
+    w, x = quantize_nvfp4(torch.randn(8192, 2048) * 0.02), _t(1, 2048)  # q_proj, one row
+    yield "N=8192 K=2048 M=1", nvfp4_gemm._nvfp4_gemv_kernel, lambda: nvfp4_gemm.nvfp4_gemm(x, w)
+
+
 def _moe_align_launches() -> Iterator[tuple]:
     ids = torch.randint(0, 257, (2048, 9), dtype=torch.int32)  # Qwen3.6 prefill: 257 experts, 9 slots
     align = lambda: moe_align.moe_align(ids, 257, 64)
@@ -313,6 +319,7 @@ def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     yield from _moe_align_launches()
     yield from _moe_launches()
     yield from _fp8_gemv_launches()
+    yield from _nvfp4_gemv_launches()
     yield from _small_op_launches()
 
 
