@@ -200,6 +200,8 @@ class FP8Rows:
 def stack_fp8(weights: Sequence[FP8Weight], tail: Sequence[torch.Tensor] = ()) -> FP8Rows:
     """`weights` (same K) as one `FP8Rows`: the data concatenated, each tensor scale repeated per row; then
     the bf16 `tail` matrices' rows."""
+    if not weights:
+        raise ValueError("stack_fp8: expected at least one FP8 weight")
     ks = {w.shape[1] for w in weights} | {t.shape[1] for t in tail}
     if len(ks) != 1:
         raise ValueError(f"FP8 weights to stack must share K, got K in {sorted(ks)}")
@@ -233,6 +235,13 @@ def fp8_gemv(x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None) -> to
     k = w.data.shape[1]
     if x.shape != (1, k) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
+    if w.data.stride(-1) != 1 or w.scale.shape != (w.data.shape[0],) or x.device != w.data.device:
+        raise ValueError("weight: expected FP8Rows as stack_fp8 makes them (unit-stride rows, a scale per "
+                         "row), on x's device")
+    t = w.tail
+    if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape[1] != k):
+        raise ValueError(f"weight: expected a contiguous bfloat16 tail [rows, {k}], got {t.dtype} "
+                         f"{list(t.shape)}")
     out = check_gemm_out(out, 1, w.rows, x.device)
     _fp8_gemv(x, w, out)
     return out

@@ -81,8 +81,8 @@ def _moe_scatter_kernel(
     pid = tl.program_id(0)
     e_offs = tl.arange(0, E_PAD)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < NUMEL
-    ids = tl.load(ids_ptr + offs, mask=valid, other=-1)
+    ids = tl.load(ids_ptr + offs, mask=offs < NUMEL, other=-1)
+    valid = (offs < NUMEL) & (ids >= 0) & (ids < E_PAD)  # an id out of range writes nothing
     # rank: the chunk's earlier entries of the same expert ([CHUNK, CHUNK] pairs, not a scan of a one-hot
     # [CHUNK, E_PAD]: 8x fewer elements for Qwen3.6's 512 and a sum instead of a cumulative sum)
     lanes = tl.arange(0, CHUNK)

@@ -106,7 +106,7 @@ def test_fp8_kv_cache_halves_its_bytes_and_stays_accurate(preset, quant):
         KernelModel(cfg, dict(ref.weights), kv_cache=torch.float16)
 
 
-def test_one_row_decode_reads_the_fp8_projections():
+def test_one_row_decode_reads_the_fp8_projections(monkeypatch):
     """NVIDIA's mixed layout keeps the attention and DeltaNet projections' FP8 bytes (stacked like their bf16
     copies) for one-row decode, which runs the FP8 GEMV on them: the logits and the slot state match the
     same step on the bf16 copies. All-NVFP4 checkpoints keep none."""
@@ -122,6 +122,11 @@ def test_one_row_decode_reads_the_fp8_projections():
         dataclasses.replace(x, mixer=dataclasses.replace(x.mixer, **dict.fromkeys(fields[type(x.mixer)])))
         for x in km.layers
     ]
+    from batchinfer.engine import kernel_model
+
+    calls = []
+    real = kernel_model.fp8_gemv
+    monkeypatch.setattr(kernel_model, "fp8_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
     (prompt,) = _random_prompts(cfg.vocab_size, [21])
     states, logits = [], []
     for model in (km, plain):
@@ -132,6 +137,8 @@ def test_one_row_decode_reads_the_fp8_projections():
             model.decode(state, nxt, pos, torch.tensor([1], dtype=torch.int32, device=DEVICE)).float()
         )
         states.append(state)
+        # the one-row step: two GEMVs a layer (q|k|v and o_proj; in_proj and out_proj), the prefill none
+        assert len(calls) == 2 * len(km.layers)  # and the bf16 copies' step (second) none
     assert rel_err(logits[0], logits[1]) < 1e-2 and torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
     _assert_slot_state_matches(states[1], states[0], 1, len(prompt) + 1)
     _, _, nvfp4 = _models("tiny-qwen3.5-moe", "nvfp4")

@@ -75,6 +75,8 @@ def test_stacked_rows_keep_each_tensors_scale(k, tail_rows):
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):  # each weight within its own scale's tolerance
         _check(wide[:, 4 + lo : 4 + hi], want[:, lo:hi])
     assert wide[:, :4].isnan().all() and wide[:, 49 + tail_rows :].isnan().all()
+    with pytest.raises(ValueError, match="at least one FP8 weight"):
+        stack_fp8([], tails)
     with pytest.raises(ValueError, match="share K"):
         stack_fp8([ws[0], quantize_fp8(torch.randn(4, k + 16, generator=g)).to(DEVICE)])
     with pytest.raises(ValueError, match=r"x: expected bfloat16 \[1, "):
