@@ -169,6 +169,35 @@ def test_cli_single_on_the_tiny_preset(tmp_path):
     assert "accuracy lock passed: 1 sequences, 40 tokens" in res.output
 
 
+def test_cli_breakdown_checks_its_model_and_needs_a_gpu():
+    runner = CliRunner()
+    res = runner.invoke(cli, ["bench", "breakdown", "--preset", "tiny-qwen3-moe"])
+    assert res.exit_code == 2 and "--preset draws random weights; say so with --random" in res.output
+    res = runner.invoke(cli, ["bench", "breakdown"])
+    assert res.exit_code == 2 and "give exactly one of --model PATH or --preset NAME --random" in res.output
+    res = runner.invoke(
+        cli, ["bench", "breakdown", "--preset", "tiny-qwen3-moe", "--random", "--device", "cpu"]
+    )
+    assert res.exit_code == 1 and "profiles CUDA kernels; --device cpu is not a GPU" in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cli_breakdown_profiles_each_batch_and_a_pass(tmp_path):
+    out = tmp_path / "b.json"
+    args = ["bench", "breakdown", "--preset", "tiny-qwen3.5-moe", "--random", "--quant", "mixed"]
+    res = CliRunner().invoke(
+        cli, [*args, "--batch", "1", "--batch", "4", "--prompt-len", "80", "--json", out]
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert [d["batch"] for d in doc["decode_steps"]] == [1, 4] and doc["prefill_pass"]["prompt_len"] == 80
+    for d in [*doc["decode_steps"], doc["prefill_pass"]]:
+        assert d["total_us"] > 0 and abs(sum(d["groups"].values()) - d["total_us"]) < 1e-3 * d["total_us"]
+        assert d["top_kernels"] and all(k["launches"] >= 1 for k in d["top_kernels"])
+    assert "decode step (batch 4 at 512)" in res.output and "prefill pass (1 x 80 tokens)" in res.output
+
+
 def test_cli_refuses_ambiguous_models(tmp_path):
     runner = CliRunner()
     res = runner.invoke(cli, ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3-moe"])

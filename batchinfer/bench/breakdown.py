@@ -1,16 +1,18 @@
-"""Where the GPU engine's time goes: per-kernel device time of one decode step and one prefill pass.
+"""Where the GPU engine's time goes: per-kernel device time of decode steps and one prefill pass.
 
-Runs `KernelModel.decode` for `batch` rows (eager, the same kernels the CUDA graph replays) and
+Runs `KernelModel.decode` for each batch size (eager, the same kernels the CUDA graph replays) and
 `KernelModel.prefill` for `prompts` prompts of `prompt_len` tokens under the PyTorch profiler, and sums
-device time per kernel name into groups a reader can act on (MoE, attention, DeltaNet, GEMM, norms...).
-Beside the device time of the decode step it times the step as the engine runs it, a CUDA graph
-replayed back to back: the difference is the gaps between kernels.
+device time per kernel name into groups a reader can act on (MoE, attention, DeltaNet, GEMM, norms...),
+with the costliest kernels and their launches a call listed by name. Beside the device time of a decode
+step it times the step as the engine runs it, a CUDA graph replayed back to back: the difference is the
+gaps between kernels. `bench breakdown` runs it alone; `bench run --breakdown` before a workload.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,6 +37,9 @@ GROUPS = (
 )
 
 
+TOP_KERNELS = 16  # kernels listed by name under each profile's groups
+
+
 def _group(name: str) -> str:
     for group, pattern in GROUPS:
         if re.search(pattern, name, re.IGNORECASE):
@@ -49,20 +54,21 @@ def _profile(fn, repeats: int) -> dict[str, Any]:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    per_kernel: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # us, launches a call
     for evt in prof.key_averages():
         us = evt.self_device_time_total / repeats
         if us > 0:
-            per_kernel[evt.key] += us
+            per_kernel[evt.key][0] += us
+            per_kernel[evt.key][1] += evt.count / repeats
     groups: dict[str, float] = defaultdict(float)
-    for name, us in per_kernel.items():
+    for name, (us, _) in per_kernel.items():
         groups[_group(name)] += us
     total = sum(groups.values())
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {
         "total_us": total,
         "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-        "top_kernels": [{"kernel": k[:120], "us": v} for k, v in top],
+        "top_kernels": [{"kernel": k[:120], "us": us, "launches": n} for k, (us, n) in top],
     }
 
 
@@ -88,21 +94,28 @@ def _graph_replay_us(fn, replays: int = 20) -> float:
 
 @torch.inference_mode()
 def breakdown(
-    model: KernelModel, batch: int, context: int, prompts: int, prompt_len: int, repeats: int = 5
+    model: KernelModel,
+    batches: Sequence[int],
+    context: int,
+    prompts: int,
+    prompt_len: int,
+    repeats: int = 5,
 ) -> dict[str, Any]:
-    """Per-group device microseconds of one decode step (`batch` rows at position `context`) and of one
-    prefill pass (`prompts` x `prompt_len` tokens); random token ids."""
+    """Per-group (and top per-kernel) device microseconds of one decode step for each batch in `batches`
+    (rows at position `context`) and of one prefill pass (`prompts` x `prompt_len` tokens); random ids."""
     if model.device.type != "cuda":
         raise ValueError("the per-kernel breakdown needs a CUDA device (it reads CUDA profiler events)")
     dev, vocab = model.device, model.config.vocab_size
-    slots = max(batch, prompts)
-    state = model.new_state(slots, max(context, prompt_len) + 1)
+    state = model.new_state(max(*batches, prompts), max(context, prompt_len) + 1)
     g = torch.Generator(device=dev).manual_seed(0)
-    ids = torch.randint(10, vocab, (batch,), device=dev, generator=g)
-    pos = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    rows = torch.arange(batch, dtype=torch.int32, device=dev)
-    decode = _profile(lambda: model.decode(state, ids, pos, rows), repeats)
-    decode["graph_replay_us"] = _graph_replay_us(lambda: model.decode(state, ids, pos, rows))
+    steps = []
+    for batch in batches:
+        ids = torch.randint(10, vocab, (batch,), device=dev, generator=g)
+        pos = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        rows = torch.arange(batch, dtype=torch.int32, device=dev)
+        step = lambda ids=ids, pos=pos, rows=rows: model.decode(state, ids, pos, rows)  # noqa: E731
+        steps.append({"batch": batch, "context": context, **_profile(step, repeats)})
+        steps[-1]["graph_replay_us"] = _graph_replay_us(step)
 
     p_ids = torch.randint(10, vocab, (prompts * prompt_len,), device=dev, generator=g)
     p_pos = torch.arange(prompt_len, dtype=torch.int32, device=dev).repeat(prompts)
@@ -110,25 +123,22 @@ def breakdown(
     token_slots = p_slots.long().repeat_interleave(prompt_len)
     cu = torch.arange(0, prompts + 1, dtype=torch.int32, device=dev) * prompt_len
     prefill = _profile(lambda: model.prefill(state, p_ids, p_pos, token_slots, cu, p_slots, prompt_len), 2)
-    return {
-        "decode_step": {"batch": batch, "context": context, **decode},
-        "prefill_pass": {"prompts": prompts, "prompt_len": prompt_len, **prefill},
-    }
+    return {"decode_steps": steps, "prefill_pass": {"prompts": prompts, "prompt_len": prompt_len, **prefill}}
 
 
 def format_breakdown(doc: dict[str, Any]) -> list[str]:
     lines = []
-    for key, what in (("decode_step", "decode step"), ("prefill_pass", "prefill pass")):
-        d = doc[key]
+    parts = [("decode step", d) for d in doc["decode_steps"]] + [("prefill pass", doc["prefill_pass"])]
+    for what, d in parts:
         shape = (
             f"batch {d['batch']} at {d['context']}"
-            if key == "decode_step"
-            else (f"{d['prompts']} x {d['prompt_len']} tokens")
+            if what == "decode step"
+            else f"{d['prompts']} x {d['prompt_len']} tokens"
         )
         replay = f"; {d['graph_replay_us']:.0f} us a CUDA-graph replay" if "graph_replay_us" in d else ""
         lines.append(f"{what} ({shape}): {d['total_us']:.0f} us of device time{replay}")
         for group, us in d["groups"].items():
             lines.append(f"  {group:<20} {us:9.1f} us  {100 * us / d['total_us']:5.1f}%")
-        lines.append("  top kernels:")
-        lines += [f"    {k['us']:9.1f} us  {k['kernel']}" for k in d["top_kernels"]]
+        lines.append("  top kernels (us, launches):")
+        lines += [f"    {k['us']:9.1f} us x{k['launches']:4.0f}  {k['kernel']}" for k in d["top_kernels"]]
     return lines

@@ -1,5 +1,6 @@
-"""`batchinfer bench`: benchmarks. `bench kernels` times our Triton kernels on this GPU; `bench run` runs a
-fixed workload of workloads.json end to end, with the accuracy lock (docs/PERF.md)."""
+"""`batchinfer bench`: benchmarks. `bench kernels` times our Triton kernels on this GPU; `bench breakdown`
+profiles the engine's decode steps and a prefill pass per kernel; `bench run` runs a fixed workload of
+workloads.json end to end, with the accuracy lock (docs/PERF.md)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,84 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
             with open(json_out, "w") as f:
                 json.dump({"environment": env, "rows": rows}, f, indent=1)
     click.echo(format_table(rows))
+
+
+@bench.command("breakdown")
+@click.option(
+    "--model", "model_path", type=click.Path(exists=True, file_okay=False), help="Checkpoint folder."
+)
+@click.option("--preset", help="Real-shape (or tiny) preset of make-checkpoint, with --random.")
+@click.option(
+    "--random", "random_weights", is_flag=True, help="Random weights for --preset, drawn in memory."
+)
+@click.option(
+    "--quant",
+    type=click.Choice(["bf16", "nvfp4", "mixed"]),
+    default="bf16",
+    show_default=True,
+    help="Weight format of the --preset --random weights.",
+)
+@click.option(
+    "--batch",
+    "batches",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="Decode batch sizes (repeatable) [default: 1 32].",
+)
+@click.option(
+    "--context", default=512, show_default=True, type=click.IntRange(min=1), help="Decode position."
+)
+@click.option("--prompts", default=1, show_default=True, type=click.IntRange(min=1), help="Prompts a pass.")
+@click.option(
+    "--prompt-len", default=512, show_default=True, type=click.IntRange(min=1), help="Tokens a prompt."
+)
+@click.option("--device", default="cuda", show_default=True, help="cuda or cuda:N.")
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the profiles here."
+)
+def breakdown_cmd(
+    model_path: str | None,
+    preset: str | None,
+    random_weights: bool,
+    quant: str,
+    batches: tuple[int, ...],
+    context: int,
+    prompts: int,
+    prompt_len: int,
+    device: str,
+    json_out: str | None,
+) -> None:
+    """Where the GPU engine's time goes: per-kernel device time of one decode step at each --batch (and the
+    step as a CUDA-graph replay) and of one prefill pass of --prompts x --prompt-len tokens, with no
+    workload and no accuracy checks (`bench run --breakdown` profiles inside a checked run)."""
+    if (model_path is None) == (preset is None):
+        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
+    if preset is not None and not random_weights:
+        raise click.UsageError("--preset draws random weights; say so with --random")
+    import torch
+
+    from batchinfer.bench.breakdown import breakdown, format_breakdown
+    from batchinfer.bench.workload_run import environment
+    from batchinfer.checkpoint.loader import load_checkpoint
+    from batchinfer.checkpoint.presets import build_checkpoint
+    from batchinfer.engine.kernel_model import KernelModel
+    from batchinfer.engine.loader import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        raise click.ClickException(f"bench breakdown profiles CUDA kernels; --device {device} is not a GPU")
+    if model_path is not None:
+        config, weights = load_checkpoint(model_path, device=dev, dtype=torch.bfloat16)
+    else:
+        raw, tensors = build_checkpoint(preset, quant=quant, device=str(dev))
+        config, weights = load_checkpoint(tensors, config=raw, device=dev, dtype=torch.bfloat16)
+        del tensors
+    doc = breakdown(KernelModel(config, weights), batches or (1, 32), context, prompts, prompt_len)
+    for line in format_breakdown(doc):
+        click.echo(line)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"environment": environment(dev), **doc}, f, indent=1)
 
 
 @bench.command("run")
@@ -259,7 +338,7 @@ def run(
             first = workload_requests(names[0], max_requests=max_requests, **shrink).prompts
             prompt_len = len(first[0])
             prompts = min(len(first), max(1, prefill_tokens // prompt_len))  # `single`: its 1 x 512 pass
-            breakdown_doc = breakdown(kernel_model, breakdown_batch, prompt_len, prompts, prompt_len)
+            breakdown_doc = breakdown(kernel_model, [breakdown_batch], prompt_len, prompts, prompt_len)
             for line in format_breakdown(breakdown_doc):
                 click.echo(line)
             if json_out:
