@@ -94,27 +94,32 @@ MOE_TILES = [
 
 MOE_DECODE_TOKENS = [1, 8, 16, 32, 64]
 # (BLOCK_N, BLOCK_G, num_warps, SPLIT) of the decode path's kernels; the first of each is the start.
+# Session 10's sweep (docs/PERF.md) found (16, 16, 2, 4) / (32, 32, 2, 9) at 1 token and (32, 16, 2, 4) /
+# (64, 16, 2, 3) at 8, still 0.8 TB/s at one token; not yet tried: one program a row block over the whole
+# K (SPLIT 1, wide BLOCK_G, few rows), which drops the split reduction's workspace round trip.
 MOE_DECODE_GATE_UP = [
-    (16, 32, 4, 4),
-    (16, 32, 4, 1),
-    (16, 32, 4, 2),
-    (8, 32, 4, 4),
-    (32, 32, 4, 4),
-    (16, 64, 4, 2),
-    (16, 32, 8, 4),
+    (16, 16, 2, 4),
+    (32, 16, 2, 4),
     (16, 32, 2, 4),
+    (16, 32, 4, 4),
+    (8, 32, 4, 4),
+    (16, 64, 4, 2),
     (8, 64, 4, 2),
+    (4, 64, 2, 2),
+    (8, 128, 4, 1),
+    (4, 128, 4, 1),
+    (4, 128, 2, 1),
 ]
 MOE_DECODE_DOWN = [
+    (32, 32, 2, 9),
+    (64, 16, 2, 3),
     (32, 32, 4, 3),
-    (32, 32, 4, 1),
     (32, 32, 4, 9),
-    (16, 32, 4, 3),
+    (16, 32, 2, 9),
     (16, 32, 4, 9),
     (64, 32, 4, 3),
-    (32, 32, 8, 3),
     (32, 16, 4, 3),
-    (32, 64, 4, 3),
+    (8, 32, 2, 9),
 ]
 
 
