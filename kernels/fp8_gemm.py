@@ -39,6 +39,7 @@ from batchinfer.kernels.nvfp4_gemm import (
     interpreting,
     num_sms,
     split_k_locks,
+    store_gemv_split,
 )
 
 
@@ -168,18 +169,7 @@ def _fp8_gemv_kernel(
                 acc += t.to(tl.float32) * x[None, :]
     mask_n = rows < n_out
     part = tl.sum(acc, axis=1) * tl.load(scale_ptr + rows * stride_s, mask=mask_w, other=1.0)
-    if SPLIT_K == 1:
-        tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.store(ws_ptr + pid_k * n_out + rows, part, mask=mask_n)
-        tl.debug_barrier()
-        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in range(SPLIT_K):
-                total += tl.load(ws_ptr + i * n_out + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+    store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, n_out, SPLIT_K)
 
 
 @dataclass(slots=True)

@@ -225,6 +225,26 @@ _LOCKS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @triton.jit
+def store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K: tl.constexpr):
+    """The end of a one-row split-K GEMV program (grid: row tiles x SPLIT_K): with one split store `part`
+    (fp32 [BLOCK_N] of outputs `rows`), else publish it in `ws` [SPLIT_K, N] and let the tile's last split
+    to arrive (its counter in `lock`) sum the partials in split order, store them and reset the counter."""
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        pid_n = tl.program_id(0)
+        tl.store(ws_ptr + tl.program_id(1) * N + rows, part, mask=mask_n)
+        tl.debug_barrier()
+        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros_like(part)
+            for i in range(SPLIT_K):
+                total += tl.load(ws_ptr + i * N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+@triton.jit
 def _nvfp4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, lock_ptr,  #
     N, K, stride_wn, stride_sn,  #
@@ -257,18 +277,7 @@ def _nvfp4_gemv_kernel(
         scale = e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :], mask=mask, other=0))
         acc += tl.sum(dot, axis=2) * scale
     part = tl.sum(acc, axis=1) * (tl.load(ts_ptr) * 4194304.0)  # 2^22: the codes' 2^-14, the scales' 2^-8
-    if SPLIT_K == 1:
-        tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.store(ws_ptr + pid_k * N + rows, part, mask=mask_n)
-        tl.debug_barrier()
-        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in range(SPLIT_K):
-                total += tl.load(ws_ptr + i * N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+    store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K)
 
 
 def split_k_locks(device: torch.device, n: int) -> torch.Tensor:

@@ -293,6 +293,16 @@ def _moe_launches() -> Iterator[tuple]:
 def _fp8_gemv_launches() -> Iterator[tuple]:
     w, x = quantize_fp8(torch.randn(8192, 2048) * 0.02), _t(1, 2048)  # q_proj, one row
     yield "N=8192 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemm(x, w)
+    o_proj = quantize_fp8(torch.randn(2048, 4096) * 0.02)  # 128 row tiles: K in 4 splits on the H200's SMs
+
+    def split_k() -> None:
+        sms, fp8_gemm.num_sms = fp8_gemm.num_sms, lambda device: 132
+        try:
+            fp8_gemm.fp8_gemm(_t(1, 4096), o_proj)
+        finally:
+            fp8_gemm.num_sms = sms
+
+    yield "N=2048 K=4096 M=1", fp8_gemm._fp8_gemv_kernel, split_k
     rows = fp8_gemm.stack_fp8([quantize_fp8(torch.randn(12288, 2048) * 0.02)], [_t(64, 2048)])  # qkv|z, b|a
     yield "N=12288+64 bf16 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemv(x, rows)
 

@@ -9,6 +9,35 @@ import json
 import click
 
 
+def _llm_weights(f):
+    """--model PATH | --preset NAME --random [--quant]: the LLM weights a benchmark runs."""
+    f = click.option(
+        "--quant",
+        type=click.Choice(["bf16", "nvfp4", "mixed"]),
+        default="bf16",
+        show_default=True,
+        help="Weight format of the --preset --random weights.",
+    )(f)
+    f = click.option(
+        "--random", "random_weights", is_flag=True, help="Random weights for --preset, drawn in memory."
+    )(f)
+    f = click.option("--preset", help="Real-shape (or tiny) preset of make-checkpoint, with --random.")(f)
+    return click.option(
+        "--model", "model_path", type=click.Path(exists=True, file_okay=False), help="Checkpoint folder."
+    )(f)
+
+
+def _check_weights(
+    model_path: str | None, preset: str | None, random_weights: bool, quant: str = "bf16"
+) -> None:
+    if (model_path is None) == (preset is None):
+        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
+    if preset is not None and not random_weights:
+        raise click.UsageError("--preset draws random weights; say so with --random")
+    if model_path is not None and (random_weights or quant != "bf16"):
+        raise click.UsageError("--random and --quant apply to --preset; a --model checkpoint has its own")
+
+
 @click.group()
 def bench() -> None:
     """Benchmarks: kernel microbenchmarks (CUDA GPU) and end-to-end workloads with the accuracy lock."""
@@ -59,20 +88,7 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
 
 
 @bench.command("breakdown")
-@click.option(
-    "--model", "model_path", type=click.Path(exists=True, file_okay=False), help="Checkpoint folder."
-)
-@click.option("--preset", help="Real-shape (or tiny) preset of make-checkpoint, with --random.")
-@click.option(
-    "--random", "random_weights", is_flag=True, help="Random weights for --preset, drawn in memory."
-)
-@click.option(
-    "--quant",
-    type=click.Choice(["bf16", "nvfp4", "mixed"]),
-    default="bf16",
-    show_default=True,
-    help="Weight format of the --preset --random weights.",
-)
+@_llm_weights
 @click.option(
     "--batch",
     "batches",
@@ -106,10 +122,7 @@ def breakdown_cmd(
     """Where the GPU engine's time goes: per-kernel device time of one decode step at each --batch (and the
     step as a CUDA-graph replay) and of one prefill pass of --prompts x --prompt-len tokens, with no
     workload and no accuracy checks (`bench run --breakdown` profiles inside a checked run)."""
-    if (model_path is None) == (preset is None):
-        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
-    if preset is not None and not random_weights:
-        raise click.UsageError("--preset draws random weights; say so with --random")
+    _check_weights(model_path, preset, random_weights, quant)
     import torch
 
     from batchinfer.bench.breakdown import breakdown, format_breakdown
@@ -142,20 +155,7 @@ def breakdown_cmd(
     required=True,
     help="LLM workload(s) of workloads.json, comma-separated: single, conc32, offline, extract.",
 )
-@click.option(
-    "--model", "model_path", type=click.Path(exists=True, file_okay=False), help="Checkpoint folder."
-)
-@click.option("--preset", help="Real-shape (or tiny) preset of make-checkpoint, with --random.")
-@click.option(
-    "--random", "random_weights", is_flag=True, help="Random weights for --preset, drawn in memory."
-)
-@click.option(
-    "--quant",
-    type=click.Choice(["bf16", "nvfp4", "mixed"]),
-    default="bf16",
-    show_default=True,
-    help="Weight format of the --preset --random weights.",
-)
+@_llm_weights
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option(
     "--dtype", type=click.Choice(["bf16", "fp32"]), help="Activations [default: fp32 on CPU, bf16 on GPU]."
@@ -273,12 +273,7 @@ def run(
     single,conc32` runs several on one model load. Every run teacher-forces a sample of its outputs
     through the fp32 reference (the accuracy lock), and the fast engine first checks its teacher-forced
     logits against it (kernel exactness); a run that fails either exits non-zero and records no figure."""
-    if (model_path is None) == (preset is None):
-        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
-    if preset is not None and not random_weights:
-        raise click.UsageError("--preset draws random weights; say so with --random")
-    if model_path is not None and (random_weights or quant != "bf16"):
-        raise click.UsageError("--random and --quant apply to --preset; a --model checkpoint has its own")
+    _check_weights(model_path, preset, random_weights, quant)
     if lock_sample < 16:
         raise click.UsageError(f"--lock-sample must be >= 16, got {lock_sample}")
     import torch
@@ -503,10 +498,7 @@ def images(
     report images/s, pairs/s, wall time and peak memory, after checking the fast path against the fp32
     reference on a sample of the images (the accuracy lock: a failing lock exits non-zero and records
     no figure). With --peer meta, Meta's implementation runs the same images with the same weights."""
-    if (model_path is None) == (preset is None):
-        raise click.UsageError("give exactly one of --model PATH or --preset NAME --random")
-    if preset is not None and not random_weights:
-        raise click.UsageError("--preset draws random weights; say so with --random")
+    _check_weights(model_path, preset, random_weights)
     if batch_size < 1:
         raise click.UsageError(f"--batch-size must be >= 1, got {batch_size}")
     if not 0 <= score_threshold < 1:
