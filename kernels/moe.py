@@ -36,7 +36,7 @@ import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
 from batchinfer.kernels.moe_tc import MoETCConfig, byte_k, k_byte, moe_experts_tc, scale_offset
-from batchinfer.kernels.moe_weights import MoEWeights, padded_rows
+from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import (
     _decode_nvfp4_tile,
@@ -610,19 +610,19 @@ def moe_experts(
 
 def fused_moe(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> torch.Tensor:
     """The whole sparse MoE block (routed experts, plus the gated shared expert if stacked) on `h [T, D]`."""
-    ids, route_w = moe_route(router_logits(h, w.router), w.num_experts, top_k, renormalize, w.has_shared)
+    ids, route_w = moe_route(router_logits(h, w), w.num_experts, top_k, renormalize, w.has_shared)
     return moe_experts(h, ids, route_w, w)
 
 
-def router_logits(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+def router_logits(h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """`h @ router^T` `[T, E']` bf16, as the HF router computes it. With E' not a multiple of 8 (Qwen3.6's
     257: 256 experts and the shared expert's gate) cuBLAS takes an unaligned sm_75 kernel for more than one
-    row (11.8 ms of a 16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200), so a router
-    stacked by `stack_moe_weights` (zero rows after it, `padded_rows`) runs as the padded GEMM, whose first
-    E' columns are the logits (5.4 us at batch 32, session 10). One row keeps cuBLAS's GEMV on the
-    unpadded rows (3.0 us; the padded GEMM took 5.2)."""
-    full = padded_rows(router) if h.shape[0] > 1 else None
-    return h @ router.t() if full is None else (h @ full.t())[:, : router.shape[0]]
+    row (11.8 ms of a 16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200), so more rows
+    run the GEMM on the zero-padded `router_rows`, whose first E' columns are the logits (5.4 us at batch
+    32, session 10). One row keeps cuBLAS's GEMV on the unpadded rows (3.0 us; the padded GEMM took 5.2)."""
+    if h.shape[0] == 1:
+        return h @ w.router.t()
+    return (h @ w.router_rows.t())[:, : w.router.shape[0]]
 
 
 def _expert_weights_f32(w: MoEWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ Linear = NVFP4Weight | torch.Tensor
 class MoEWeights:
     """One layer's experts stacked for the fused kernels; see the module docstring for layouts."""
 
-    router: torch.Tensor  # bf16 [E (+1 shared gate row), D]; from `stack_moe_weights`, zero rows follow it
+    router_rows: torch.Tensor  # bf16 [E' rounded up to ROW_ALIGN, D]: `router`, then zero rows
     w13: torch.Tensor  # NVFP4 uint8 [E', 2I, D/2] or bf16 [E', 2I, D]
     w2: torch.Tensor  # NVFP4 uint8 [E', D, I/2] or bf16 [E', D, I]
     w13_scale: torch.Tensor | None  # uint8 e4m3 bits [E', 2I, D/16] (paired: [D/64, E', 2I, 4])
@@ -26,6 +26,11 @@ class MoEWeights:
     num_experts: int  # routed experts E
     has_shared: bool
     paired: bool = False  # NVFP4 codes in `moe_tc`'s paired layout (`moe_tc.pair_moe_weights`)
+
+    @property
+    def router(self) -> torch.Tensor:
+        """bf16 `[E (+1 shared gate row), D]`."""
+        return self.router_rows[: self.num_experts + self.has_shared]
 
     @property
     def nvfp4(self) -> bool:
@@ -44,23 +49,11 @@ ROW_ALIGN = 8  # bf16 rows: a router GEMM of a multiple of 8 columns gets cuBLAS
 
 
 def _router_rows(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` in bf16 as the first rows of a zeroed `[E' rounded up to ROW_ALIGN, D]` buffer (a view)."""
+    """`rows` in bf16, then zero rows up to a multiple of ROW_ALIGN."""
     e, d = rows.shape
     buf = torch.zeros((-(-e // ROW_ALIGN) * ROW_ALIGN, d), dtype=torch.bfloat16, device=rows.device)
     buf[:e] = rows
-    return buf[:e]
-
-
-def padded_rows(router: torch.Tensor) -> torch.Tensor | None:
-    """The zero-padded `[E' rounded up to ROW_ALIGN, D]` buffer behind a router stacked by
-    `stack_moe_weights`, or None when E' is aligned already or the router has no such buffer."""
-    e, d = router.shape
-    rows = -(-e // ROW_ALIGN) * ROW_ALIGN
-    if rows == e or not router.is_contiguous():
-        return None
-    if router.untyped_storage().nbytes() < (router.storage_offset() + rows * d) * router.element_size():
-        return None
-    return router.as_strided((rows, d), (d, 1))
+    return buf
 
 
 def stack_moe_weights(
@@ -101,7 +94,7 @@ def stack_moe_weights(
             shared is not None,
         )
     return MoEWeights(
-        router=_router_rows(rows),
+        router_rows=_router_rows(rows),
         w13=torch.stack([torch.cat([g.packed, u.packed]) for g, u, _ in mats]),
         w2=torch.stack([d.packed for _, _, d in mats]),
         w13_scale=torch.stack([torch.cat([g.block_scale, u.block_scale]) for g, u, _ in mats]).view(

@@ -17,7 +17,7 @@ from batchinfer.kernels.moe import (
 )
 from batchinfer.kernels.moe_align import moe_align, moe_align_ref
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
-from batchinfer.kernels.moe_weights import padded_rows, stack_moe_weights
+from batchinfer.kernels.moe_weights import stack_moe_weights
 from batchinfer.kernels.nvfp4 import quantize_nvfp4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -255,22 +255,19 @@ def test_decode_path_under_cuda_graph(t, e, d, i, shared):
 
 @pytest.mark.parametrize("experts", [257, 128])
 def test_router_logits_run_as_an_aligned_gemm(experts):
-    """A stacked router of E' rows sits in a zeroed buffer of E' rounded up to 8 rows; its logits come from
-    that aligned GEMM (cuBLAS's aligned kernels), rows 16-byte aligned, the same values as the plain
-    product. A router with no such buffer takes the plain product."""
+    """A stacked router of E' rows is the head of a zeroed buffer of E' rounded up to 8 rows; the logits of
+    more than one row come from that aligned GEMM (cuBLAS's aligned kernels), rows 16-byte aligned, the same
+    values as the plain product; one row takes the plain product."""
     g = torch.Generator().manual_seed(experts)
     h = torch.randn(37, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     dense = torch.randn(16, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     router = torch.randn(experts, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     w = stack_moe_weights(router, [(dense, dense, dense.t())] * experts)
     assert torch.equal(w.router, router)
-    full = padded_rows(w.router)
-    rows = -(-experts // 8) * 8
-    if rows == experts:
-        assert full is None
-    else:
-        assert full.shape == (rows, 64) and torch.equal(full[:experts], router) and not full[experts:].any()
-    logits = router_logits(h, w.router)
+    rows = w.router_rows
+    assert rows.shape == (-(-experts // 8) * 8, 64) and torch.equal(rows[:experts], router)
+    assert not rows[experts:].any()
+    logits = router_logits(h, w)
     assert logits.shape == (37, experts) and logits.stride(1) == 1 and logits.stride(0) * 2 % 16 == 0
     assert _rel(logits, h @ router.t()) < 1e-2  # another cuBLAS kernel on the GPU: same values up to order
-    assert padded_rows(router) is None and torch.equal(router_logits(h, router), h @ router.t())
+    assert torch.equal(router_logits(h[:1], w), h[:1] @ router.t())
