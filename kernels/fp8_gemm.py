@@ -32,6 +32,7 @@ from batchinfer.kernels.nvfp4 import FP8Weight
 from batchinfer.kernels.nvfp4_gemm import (
     FUSED_MAX_M,
     GemmConfig,
+    GemvConfig,
     check_gemm_out,
     choose_split_k,
     dequant_matmul,
@@ -133,6 +134,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, tail_ptr, out_ptr, ws_ptr, lock_ptr,  #
     N, N_TAIL, K, stride_wn, stride_s,  #
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_TAIL: tl.constexpr,  #
+    STAGES: tl.constexpr,  #
 ):
     """out[n] = scale[n] * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K (scale[n]
     at n * stride_s: 0 for one tensor scale, 1 for stacked weights' rows); with HAS_TAIL, rows N to
@@ -148,7 +150,7 @@ def _fp8_gemv_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if pid_n * BLOCK_N < N:
-        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=3):
+        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             cols = k + tl.arange(0, BLOCK_K)
             mask_k = cols < k_end
             x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
@@ -160,7 +162,7 @@ def _fp8_gemv_kernel(
         n_out = N + N_TAIL
         mask_t = (rows >= N) & (rows < n_out)
         if (pid_n + 1) * BLOCK_N > N:
-            for k in tl.range(k_start, k_end, BLOCK_K, num_stages=3):
+            for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
                 cols = k + tl.arange(0, BLOCK_K)
                 mask_k = cols < k_end
                 x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
@@ -201,27 +203,38 @@ def stack_fp8(weights: Sequence[FP8Weight], tail: Sequence[torch.Tensor] = ()) -
     return FP8Rows(data, scale, rows)
 
 
-def _fp8_gemv(x: torch.Tensor, w: FP8Weight | FP8Rows, out: torch.Tensor) -> None:
+def fp8_gemv_config() -> GemvConfig:
+    """One-row FP8 launch (BLOCK_G: 16 columns of K a group): session 10's (16 rows, 256 columns)."""
+    return GemvConfig(16, 2, 4) if interpreting() else GemvConfig(16, 16, 4)
+
+
+def _fp8_gemv(
+    x: torch.Tensor, w: FP8Weight | FP8Rows, out: torch.Tensor, config: GemvConfig | None = None
+) -> None:
     """`_fp8_gemv_kernel` for one row: x `[1, K]`, out `[1, N (+ N_TAIL)]` (unit strides)."""
     n, k = w.data.shape
     tail = w.tail if isinstance(w, FP8Rows) else None
     n_tail = 0 if tail is None else tail.shape[0]
-    block_n, block_k = (16, 32) if interpreting() else (16, 256)
-    tiles = triton.cdiv(n + n_tail, block_n)
-    split = choose_split_k(tiles, k, block_k, num_sms(x.device))
+    cfg = config or fp8_gemv_config()
+    block_k = 16 * cfg.block_g
+    tiles = triton.cdiv(n + n_tail, cfg.block_n)
+    split = cfg.split_k or choose_split_k(tiles, k, block_k, num_sms(x.device))
     ws = torch.empty((split, n + n_tail), dtype=torch.float32, device=x.device) if split > 1 else out
     locks = split_k_locks(x.device, tiles) if split > 1 else out
     _fp8_gemv_kernel[(tiles, split)](
         x, w.data.view(torch.uint8), w.scale, x if tail is None else tail, out, ws, locks,  #
         n, n_tail, k, w.data.stride(0), int(w.scale.ndim == 1),  #
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_TAIL=tail is not None, num_warps=4,  #
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_TAIL=tail is not None,  #
+        STAGES=cfg.num_stages, num_warps=cfg.num_warps,  #
     )
 
 
-def fp8_gemv(x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_gemv(
+    x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
     """One bf16 row `x [1, K]` times stacked FP8 (and bf16 tail) rows `W [N, K]` transposed -> `[1, N]`
     bf16, reading the FP8 bytes (single-stream decode, where the weights are all the bytes a step moves).
-    `out` may be a view with unit column stride."""
+    `out` may be a view with unit column stride; `config` overrides the launch (tuner)."""
     k = w.data.shape[1]
     if x.shape != (1, k) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
@@ -233,7 +246,7 @@ def fp8_gemv(x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None) -> to
         raise ValueError(f"weight: expected a contiguous bfloat16 tail [rows, {k}], got {t.dtype} "
                          f"{list(t.shape)}")
     out = check_gemm_out(out, 1, w.rows, x.device)
-    _fp8_gemv(x, w, out)
+    _fp8_gemv(x, w, out, config)
     return out
 
 

@@ -6,8 +6,9 @@ weight sigmoid(shared_gate logit)) -> one of four paths (by entry count and layo
 - the decode path (NVFP4 experts, at most DECODE_MAX_ENTRIES entries, and for paired experts at most
   DECODE_MAX_PER_EXPERT an expert, where tensor-core tiles would be mostly padding): no alignment;
   gate_up one program per (entry, column tile, K split), down one per (token, column tile, slot split)
-  with the routing weights and the top-k sum fused; GEMVs on CUDA cores that decode two E2M1 codes per
-  integer op (`_e2m1_pair`) and apply each 16-code block scale once per group sum;
+  with the routing weights and the top-k sum fused; GEMVs on CUDA cores that decode and multiply each
+  word of 8 E2M1 codes in one inline PTX block (`nvfp4_gemm.e2m1_dot8`) and apply each 16-code block
+  scale once per group sum;
 - mid-size batches of NVFP4 experts in `moe_tc`'s paired layout (the engine's): `moe_tc`, the weight as
   the tensor cores' register operand (1.3-2x the grouped GEMMs below, timed on the H200);
 - the fused grouped GEMMs (bf16 experts, or NVFP4 in the standard layout): `moe_align` (entries grouped
@@ -42,6 +43,7 @@ from batchinfer.kernels.nvfp4_gemm import (
     _decode_nvfp4_tile,
     bf16_rne,
     e4m3_to_f32,
+    group_dot16,
     interpreting,
     split_k_locks,
 )
@@ -140,14 +142,16 @@ def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool =
 
 
 def _decode_config(numel: int) -> MoEDecodeConfig:
-    """H200, session 10 (a sweep of one Qwen3.6 layer, `_moe_decode` alone, docs/PERF_KERNELS.md): one token
-    23.8 -> 19.6 us with K in 16-group steps and one program a slot in down; 8 tokens 94.6 -> 75.9 us."""
+    """H200 sweeps of one Qwen3.6 layer (`_moe_decode` alone, docs/PERF_KERNELS.md). Session 10: one token
+    23.8 -> 19.6 us with K in 16-group steps and one program a slot in down; 8 tokens 94.6 -> 75.9 us.
+    Session 11 (the PTX decode, `tune_kernels --kinds moe_decode`): one token 18.9 us with 32-row gate_up
+    tiles (16 rows: 19.5); 8 tokens 81.4 us with 64-row 4-warp gate_up tiles (32 rows: 89.3)."""
     if interpreting():
         return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
     if numel <= 18:  # up to 2 tokens of 9 slots
-        return MoEDecodeConfig((16, 16, 2, 4), (32, 32, 2, 9))
+        return MoEDecodeConfig((32, 16, 2, 4), (32, 32, 2, 9))
     if numel <= 72:  # up to 8 tokens
-        return MoEDecodeConfig((32, 16, 2, 4), (64, 16, 2, 3))
+        return MoEDecodeConfig((64, 16, 4, 4), (64, 16, 2, 3))
     return MoEDecodeConfig((16, 32, 2, 4), (64, 32, 4, 3))
 
 
@@ -301,24 +305,6 @@ def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, 
 
 
 @triton.jit
-def _e2m1_pair(w, P: tl.constexpr):
-    """uint32 word of 8 E2M1 codes (code j in bits 4j..4j+3) -> codes P and P + 4 as fp32 times 2^-14.
-
-    Both codes become fp16 bit patterns with the same shifts and masks (sign to bit 15/31, the three
-    magnitude bits to bits 9-11/25-27: E2M1 maps onto fp16's subnormal/normal boundary exactly); the
-    sm_90 SASS (Triton 3.6) spends 15 integer instructions per word of 8 codes, and converts each
-    half to fp32 with one HADD2.F32 straight from the register half."""
-    if P == 3:
-        mag = (w >> 3) & 0x0E000E00
-    else:
-        mag = (w << (9 - 4 * P)) & 0x0E000E00
-    u = mag | ((w << (12 - 4 * P)) & 0x80008000)
-    lo = u.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
 def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAIRED: tl.constexpr):
     """The x of code P of the int64 `groups` of a row (fp32): x[16 g + P]; in the paired layout (`moe_tc`:
     int64 g = 2 q + r holds bytes 8r..8r+7 of block q, byte p the K index `BYTE_K[p]` of the pair's groups
@@ -334,27 +320,15 @@ def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAI
 
 
 @triton.jit
-def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+               INTERPRET: tl.constexpr):
     """Per (row, int64 of 16 codes): sums of code * x over its even and its odd codes, ([BN, BG], [BN, BG])
     fp32 (times 2^-14); in the paired layout they belong to different scale groups.
 
     `w_ptrs` [BN, BG] point at 16 codes each as one int64 (codes 0-7 in the low word): one 2-D load
     contiguous along the groups, which Triton lays out with the groups across the threads."""
     w = tl.load(w_ptrs, mask=mask, other=0)
-    wa = w.to(tl.uint32)
-    wb = (w >> 32).to(tl.uint32)
-    c0, c4 = _e2m1_pair(wa, 0)
-    c1, c5 = _e2m1_pair(wa, 1)
-    c2, c6 = _e2m1_pair(wa, 2)
-    c3, c7 = _e2m1_pair(wa, 3)
-    even = c0 * x0 + c2 * x2 + c4 * x4 + c6 * x6
-    odd = c1 * x1 + c3 * x3 + c5 * x5 + c7 * x7
-    c8, c12 = _e2m1_pair(wb, 0)
-    c9, c13 = _e2m1_pair(wb, 1)
-    c10, c14 = _e2m1_pair(wb, 2)
-    c11, c15 = _e2m1_pair(wb, 3)
-    even = even + c8 * x8 + c10 * x10 + c12 * x12 + c14 * x14
-    return even, odd + c9 * x9 + c11 * x11 + c13 * x13 + c15 * x15
+    return group_dot16(w, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, INTERPRET)
 
 
 @triton.jit
@@ -370,7 +344,8 @@ def _scaled(even, odd, s_ptrs, groups, mask, PAIRED: tl.constexpr):
 
 @triton.jit
 def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk, stride_sn,  #
-               BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2, PAIRED: tl.constexpr):
+               BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2, PAIRED: tl.constexpr,
+               INTERPRET: tl.constexpr):
     """One K step of `_group_dot` times the block scales for rows `rows` (and, with TWO, rows + ROW2
     of the same weight, sharing the x loads): returns ([BN, BG], [BN, BG]) fp32 times 2^-22."""
     groups = g0 + tl.arange(0, BLOCK_G)
@@ -398,12 +373,13 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk,
     else:
         offs_s = rows[:, None] * stride_sn + groups[None, :]
     even, odd = _group_dot(w_base + offs_w, mask,  #
-                           x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+                           x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, INTERPRET)
     p = _scaled(even, odd, s_base + offs_s, groups, mask, PAIRED)
     q = p
     if TWO:
-        even, odd = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask,
-                               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        even, odd = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask,  #
+                               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  #
+                               INTERPRET)
         q = _scaled(even, odd, s_base + ROW2 * stride_sn + offs_s, groups, mask, PAIRED)  # stride_sn: 4
     return p, q
 
@@ -450,7 +426,7 @@ def _moe_decode_gate_up_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     for g0 in range(pid_s * per_split, tl.minimum(G, (pid_s + 1) * per_split), BLOCK_G):
         p, q = _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk, stride_sn,  #
-                          BLOCK_G, False, True, N, PAIRED)
+                          BLOCK_G, False, True, N, PAIRED, INTERPRET)
         acc_g += p
         acc_u += q
     gate_up = tl.join(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))  # [BN, 2]
@@ -499,7 +475,7 @@ def _moe_decode_down_kernel(
         x_row = x_ptr + entry.to(tl.int64) * stride_xm
         p, _ = _gemv_step(x_row, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, mask_n,  #
                           (i % steps) * BLOCK_G, G, stride_wn, stride_sk, stride_sn, BLOCK_G, True, False,  #
-                          0, PAIRED)
+                          0, PAIRED, INTERPRET)
         out += tl.sum(p, axis=1) * (tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 4194304.0)
     last = True
     if SPLIT > 1:

@@ -23,7 +23,7 @@ counters.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +49,31 @@ class GemmConfig:
     even_odd: bool = False  # multiply even and odd K columns separately instead of interleaving
 
 
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """One-row launch: BLOCK_N rows by BLOCK_G 16-code groups a step; SPLIT_K = 0: from the CTA count;
+    num_stages 1 loads in the loop, more pipelines the weight stream through shared memory (cp.async)."""
+
+    block_n: int
+    block_g: int
+    num_warps: int
+    split_k: int = 0
+    num_stages: int = 3
+
+
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (tests on machines without a GPU)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gemv_config(group_major: bool = True) -> GemvConfig:
+    """The one-row GEMV's launch. Group-major rows (`NVFP4Rows`, the engine's): H200, session 11
+    (`tune_kernels --kinds nvfp4_gemv`): best or within 2% of it on q_proj, lm_head of both models (114.6
+    us at Qwen3.6's, 2.50 TB/s; cuBLAS on the bf16 copy 248.0) and the 16384-row slice; loads in the loop
+    beat the cp.async pipeline at these sizes. The checkpoint layout keeps the untuned first guess."""
+    if interpreting():
+        return GemvConfig(16, 2, 4)
+    return GemvConfig(64, 16, 4, 0, 1) if group_major else GemvConfig(64, 16, 4)
 
 
 def _nvfp4_gemm_configs(m: int, n: int) -> GemmConfig:
@@ -96,6 +118,75 @@ def e4m3_to_f32(s):
     """E4M3 bits (uint8) -> fp32 value * 2^-8 (fp16 bit construction, exact)."""
     s = s.to(tl.int32)
     return (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_pair(w, P: tl.constexpr):
+    """uint32 word of 8 E2M1 codes (code j in bits 4j..4j+3) -> codes P and P + 4 as fp32 times 2^-14.
+
+    Both codes become fp16 bit patterns with the same shifts and masks (sign to bit 15/31, the three
+    magnitude bits to bits 9-11/25-27: E2M1 maps onto fp16's subnormal/normal boundary exactly). The
+    interpreter's form of `e2m1_dot8`."""
+    if P == 3:
+        mag = (w >> 3) & 0x0E000E00
+    else:
+        mag = (w << (9 - 4 * P)) & 0x0E000E00
+    u = mag | ((w << (12 - 4 * P)) & 0x80008000)
+    lo = u.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+def _dot8_ptx() -> str:
+    """PTX of `e2m1_dot8`: per code pair (P, P + 4) two shifts and masks build the pair as fp16x2 (as
+    `e2m1_pair`), each half converts to fp32 straight from its register half and is multiplied into its
+    parity's sum. Written out because Triton's compile of the same math spends ~7 instructions a code
+    (half extractions as PRMT, shifts as IMAD; sm_90 SASS of the decode path, session 11)."""
+    lines = ["{", ".reg .b32 m, s, u;", ".reg .b16 lo, hi;", ".reg .f32 c;"]
+    for p in range(4):
+        acc = f"${p % 2}"
+        mag = "shr.b32 m, $2, 3;" if p == 3 else f"shl.b32 m, $2, {9 - 4 * p};"
+        first = "mul.rn.f32 {a}, c, ${x};" if p < 2 else "fma.rn.f32 {a}, c, ${x}, {a};"
+        lines += [
+            mag, "and.b32 m, m, 0x0E000E00;", f"shl.b32 s, $2, {12 - 4 * p};", "and.b32 s, s, 0x80008000;",
+            "or.b32 u, m, s;", "mov.b32 {lo, hi}, u;",
+            "cvt.f32.f16 c, lo;", first.format(a=acc, x=3 + p),
+            "cvt.f32.f16 c, hi;", f"fma.rn.f32 {acc}, c, ${7 + p}, {acc};",
+        ]
+    return "\n".join(lines + ["}"])
+
+
+_DOT8_PTX = tl.constexpr(_dot8_ptx())
+
+
+@triton.jit
+def e2m1_dot8(w, x0, x1, x2, x3, x4, x5, x6, x7, INTERPRET: tl.constexpr):
+    """Sums of the 8 E2M1 codes of uint32 words `w` (code j in bits 4j..4j+3, as `e2m1_pair`) times x0..x7
+    (fp32, broadcast against w): (even codes' sum, odd codes' sum), both times 2^-14. On the GPU one inline
+    PTX block a word (`_dot8_ptx`); the interpreter runs the same math in Triton."""
+    if INTERPRET:
+        c0, c4 = e2m1_pair(w, 0)
+        c1, c5 = e2m1_pair(w, 1)
+        c2, c6 = e2m1_pair(w, 2)
+        c3, c7 = e2m1_pair(w, 3)
+        even = c0 * x0 + c2 * x2 + c4 * x4 + c6 * x6
+        odd = c1 * x1 + c3 * x3 + c5 * x5 + c7 * x7
+    else:
+        even, odd = tl.inline_asm_elementwise(
+            _DOT8_PTX, "=f,=f,r,f,f,f,f,f,f,f,f", [w, x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+        )
+    return even, odd
+
+
+@triton.jit
+def group_dot16(w, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                INTERPRET: tl.constexpr):
+    """int64 words `w` of 16 E2M1 codes each (code j in bits 4j..4j+3: 8 checkpoint bytes) times x0..x15:
+    (even codes' sum, odd codes' sum), fp32 times 2^-14."""
+    ea, oa = e2m1_dot8(w.to(tl.uint32), x0, x1, x2, x3, x4, x5, x6, x7, INTERPRET)
+    eb, ob = e2m1_dot8((w >> 32).to(tl.uint32), x8, x9, x10, x11, x12, x13, x14, x15, INTERPRET)
+    return ea + eb, oa + ob
 
 
 @triton.jit
@@ -245,38 +336,65 @@ def store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K: 
 
 
 @triton.jit
+def _x16(x_ptr, groups, mask_g):
+    """x[16 g + P] for P = 0..15 of the 16-code groups `groups` ([BG] int), each as fp32 [1, BG]."""
+    base = x_ptr + groups * 16
+    x0 = tl.load(base + 0, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x1 = tl.load(base + 1, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x2 = tl.load(base + 2, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x3 = tl.load(base + 3, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x4 = tl.load(base + 4, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x5 = tl.load(base + 5, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x6 = tl.load(base + 6, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x7 = tl.load(base + 7, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x8 = tl.load(base + 8, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x9 = tl.load(base + 9, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x10 = tl.load(base + 10, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x11 = tl.load(base + 11, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x12 = tl.load(base + 12, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x13 = tl.load(base + 13, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x14 = tl.load(base + 14, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    x15 = tl.load(base + 15, mask=mask_g, other=0.0).to(tl.float32)[None, :]
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
 def _nvfp4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, lock_ptr,  #
-    N, K, stride_wn, stride_sn,  #
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,  #
+    N, G, stride_wn, stride_wg, stride_sn, stride_sg, stride_ts,  #
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_G: tl.constexpr,  #
+    STAGES: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
-    """out[n] = ts * sum_k x[k] W[n, k] for one row x, BLOCK_N rows n and one of SPLIT_K ranges of K, in
-    16-code groups: a row's 8 code bytes of each group ([BN, BG, 8]) decoded in registers (low nibble:
-    element 2j, high: 2j + 1) times x's even and odd elements, summed over the group and times the group's
-    scale; per-thread partial sums, one reduction at the end, splits summed as `_fp8_gemv_kernel`'s."""
+    """out[n] = ts[n] * sum_k x[k] W[n, k] for one row x, BLOCK_N rows n and one of SPLIT_K ranges of the G
+    16-code groups: each group's 8 code bytes as one int64 (at n * stride_wn + g * stride_wg: the
+    checkpoint's row-major layout or `NVFP4Rows`' group-major one), decoded and multiplied by
+    `group_dot16`, times the group's scale; per-thread partial sums, one reduction at the end, splits
+    summed by `store_gemv_split`. Tensor scale ts[n] at n * stride_ts (0: one for all rows). EVEN_G: every
+    split is whole BLOCK_G steps (no group mask)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
-    G = K // 16
     g_per_split = tl.cdiv(tl.cdiv(G, SPLIT_K), BLOCK_G) * BLOCK_G
     g_start = pid_k * g_per_split
     g_end = tl.minimum(G, g_start + g_per_split)
-    pair = tl.arange(0, 8)
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    for g0 in tl.range(g_start, g_end, BLOCK_G, num_stages=3):
+    for g0 in tl.range(g_start, g_end, BLOCK_G, num_stages=STAGES):
         groups = g0 + tl.arange(0, BLOCK_G)
-        mask_g = groups < g_end
-        x = tl.load(x_ptr + groups[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask_g[:, None], other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_G, 8, 2)))  # [BG, 8] each
+        if EVEN_G:
+            mask_g = groups >= 0
+        else:
+            mask_g = groups < g_end
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x16(x_ptr, groups, mask_g)
         mask = mask_n[:, None] & mask_g[None, :]
-        byte = (groups[:, None] * 8 + pair[None, :])[None, :, :]  # [1, BG, 8]
-        b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask[:, :, None], other=0)
-        b = b.to(tl.int32)
-        dot = e2m1_to_f32(b, False) * x_even[None, :, :] + e2m1_to_f32(b, True) * x_odd[None, :, :]
-        scale = e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :], mask=mask, other=0))
-        acc += tl.sum(dot, axis=2) * scale
-    part = tl.sum(acc, axis=1) * (tl.load(ts_ptr) * 4194304.0)  # 2^22: the codes' 2^-14, the scales' 2^-8
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + groups[None, :] * stride_wg, mask=mask, other=0)
+        even, odd = group_dot16(w, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                INTERPRET)
+        offs_s = rows[:, None] * stride_sn + groups[None, :] * stride_sg
+        scale = e4m3_to_f32(tl.load(s_ptr + offs_s, mask=mask, other=0))
+        acc += (even + odd) * scale
+    ts = tl.load(ts_ptr + rows * stride_ts, mask=mask_n, other=0.0)
+    part = tl.sum(acc, axis=1) * (ts * 4194304.0)  # 2^22: the codes' 2^-14, the scales' 2^-8
     store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K)
 
 
@@ -358,30 +476,90 @@ def dequant_matmul(
         out[:, r0:r1].copy_(x @ dequant(r0, r1).t())
 
 
-def _nvfp4_gemv(x: torch.Tensor, w: NVFP4Weight, out: torch.Tensor) -> None:
-    """`_nvfp4_gemv_kernel` for one row: x `[1, K]`, out `[1, N]` (unit strides), K a multiple of 16."""
-    n, k = w.shape
-    block_n, block_g = (16, 2) if interpreting() else (16, 16)
-    tiles = triton.cdiv(n, block_n)
-    split = choose_split_k(tiles, k, 16 * block_g, num_sms(x.device))
+def _launch_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ts: torch.Tensor, n: int, g: int,
+                 group_major: bool, out: torch.Tensor, config: GemvConfig | None) -> None:
+    """`_nvfp4_gemv_kernel` on int64 `codes` and uint8 `scales`, `[N, G]` or (group_major) `[G, N]`; `ts`
+    fp32 of one element or one a row."""
+    cfg = config or gemv_config(group_major)
+    tiles = triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k or choose_split_k(tiles, 16 * g, 16 * cfg.block_g, num_sms(x.device))
+    g_per_split = triton.cdiv(triton.cdiv(g, split), cfg.block_g) * cfg.block_g
     ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
     locks = split_k_locks(x.device, tiles) if split > 1 else out
+    strides = (1, n, 1, n) if group_major else (g, 1, g, 1)
     _nvfp4_gemv_kernel[(tiles, split)](
-        x, w.packed, w.block_scale.view(torch.uint8), w.tensor_scale, out, ws, locks,  #
-        n, k, w.packed.stride(0), w.block_scale.stride(0),  #
-        BLOCK_N=block_n, BLOCK_G=block_g, SPLIT_K=split, num_warps=4,  #
+        x, codes, scales, ts, out, ws, locks,  #
+        n, g, *strides, int(ts.numel() > 1),  #
+        BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, SPLIT_K=split, EVEN_G=g % g_per_split == 0,  #
+        STAGES=cfg.num_stages, INTERPRET=interpreting(), num_warps=cfg.num_warps,  #
     )
 
 
+def _nvfp4_gemv(x: torch.Tensor, w: NVFP4Weight, out: torch.Tensor, config: GemvConfig | None = None) -> None:
+    """The GEMV on the checkpoint layout: x `[1, K]`, out `[1, N]` (unit strides)."""
+    n, k = w.shape
+    codes = w.packed.view(torch.int64)  # [N, K/16]: a group's 8 bytes
+    _launch_gemv(x, codes, w.block_scale.view(torch.uint8), w.tensor_scale, n, k // 16, False, out, config)
+
+
+@dataclass(slots=True)
+class NVFP4Rows:
+    """NVFP4 weights stacked along N for the one-row GEMV, stored group-major: each 16-code group's 8
+    code bytes as one int64 `codes [K/16, N]`, its e4m3 scale byte in `scales [K/16, N]`, and each row's
+    tensor scale. A warp's load of a group then spans consecutive rows and each thread holds several rows
+    of the same groups, so an x element it loads serves all of them; on the checkpoint's row-major layout
+    Triton gives a thread one row and eight groups, an x load for every 8 codes (sm_90 SASS, session 11)."""
+
+    codes: torch.Tensor  # int64 [K/16, N]
+    scales: torch.Tensor  # uint8 [K/16, N]
+    tensor_scale: torch.Tensor  # float32 [N]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[1], 16 * self.codes.shape[0]
+
+
+def stack_nvfp4(weights: Sequence[NVFP4Weight]) -> NVFP4Rows:
+    """`weights` (same K) as one group-major `NVFP4Rows`: rows concatenated, tensor scales repeated per
+    row."""
+    if not weights:
+        raise ValueError("stack_nvfp4: expected at least one NVFP4 weight")
+    ks = {w.shape[1] for w in weights}
+    if len(ks) != 1:
+        raise ValueError(f"NVFP4 weights to stack must share K, got K in {sorted(ks)}")
+    codes = torch.cat([w.packed.contiguous().view(torch.int64) for w in weights]).t().contiguous()
+    scales = torch.cat([w.block_scale.view(torch.uint8) for w in weights]).t().contiguous()
+    ts = torch.cat([w.tensor_scale.reshape(1).expand(w.shape[0]) for w in weights]).float().contiguous()
+    return NVFP4Rows(codes, scales, ts)
+
+
+def nvfp4_gemv(x: torch.Tensor, w: NVFP4Rows, out: torch.Tensor | None = None,
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """One row `x [1, K]` bf16 times the stacked NVFP4 rows `w` -> `[1, N]` bf16 (fp32 accumulation); into
+    `out` when given (CUDA graphs)."""
+    n, k = w.shape
+    if x.dtype != torch.bfloat16 or x.ndim != 2 or tuple(x.shape) != (1, k) or x.stride(1) != 1:
+        raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
+    if x.device != w.codes.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w.codes.device}")
+    out = check_gemm_out(out, 1, n, x.device)
+    _launch_gemv(x, w.codes, w.scales, w.tensor_scale, n, k // 16, True, out, config)
+    return out
+
+
 def nvfp4_gemm(
-    x: torch.Tensor, w: NVFP4Weight, out: torch.Tensor | None = None, config: GemmConfig | None = None
+    x: torch.Tensor,
+    w: NVFP4Weight,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
     """`x [..., K]` bf16 times NVFP4 `W [N, K]` transposed -> `[..., N]` bf16 (fp32 accumulation).
 
-    Up to FUSED_MAX_M rows the fused kernel decodes W in registers; above, W is dequantized to bf16
-    in one pass and cuBLAS multiplies (the decode then costs little next to the GEMM).
-    `out` (bf16 `[M, N]` with unit column stride, M = x rows) receives the result in place, e.g. a
-    static buffer under CUDA graphs; `config` forces the fused kernel with that configuration (tuner).
+    One row runs the CUDA-core GEMV; up to FUSED_MAX_M rows the fused tensor-core kernel decodes W in
+    registers; above, W is dequantized to bf16 in one pass and cuBLAS multiplies (the decode then costs
+    little next to the GEMM). `out` (bf16 `[M, N]` with unit column stride, M = x rows) receives the
+    result in place, e.g. a static buffer under CUDA graphs; `config` forces the fused kernel (a
+    `GemmConfig`) or, for one row, the GEMV (a `GemvConfig`) with that configuration (tuner).
     """
     n, k = w.shape
     if x.shape[-1] != k:
@@ -402,8 +580,10 @@ def nvfp4_gemm(
     if config is None and m > FUSED_MAX_M:
         dequant_matmul(x2, lambda r0, r1: nvfp4_dequantize(w, r0, r1), n, out)
         return out.reshape(*x.shape[:-1], n)
-    if config is None and m == 1:
-        _nvfp4_gemv(x2, w, out)
+    if isinstance(config, GemvConfig) or (config is None and m == 1):
+        if m != 1:
+            raise ValueError(f"GemvConfig: the GEMV takes one row, got {m}")
+        _nvfp4_gemv(x2, w, out, config)
         return out.reshape(*x.shape[:-1], n)
     cfg = config or _nvfp4_gemm_configs(m, n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

@@ -106,27 +106,49 @@ def test_fp8_kv_cache_halves_its_bytes_and_stays_accurate(preset, quant):
         KernelModel(cfg, dict(ref.weights), kv_cache=torch.float16)
 
 
-def test_one_row_decode_reads_the_fp8_projections(monkeypatch):
-    """NVIDIA's mixed layout keeps the attention and DeltaNet projections' FP8 bytes (stacked like their bf16
-    copies) for one-row decode, which runs the FP8 GEMV on them: the logits and the slot state match the
-    same step on the bf16 copies. All-NVFP4 checkpoints keep none."""
+@pytest.mark.parametrize("quant", ["mixed", "nvfp4"])
+def test_one_row_decode_reads_the_checkpoint_bytes(monkeypatch, quant):
+    """One-row decode reads the quantized linears' checkpoint bytes (stacked like their bf16 copies) with a
+    GEMV. NVIDIA's mixed layout: the projections' FP8 (DeltaNet's bf16 b|a as the tail) and lm_head's
+    NVFP4. All-NVFP4: the NVFP4 projections, except DeltaNet's in_proj, whose b|a stay bf16 there (and so
+    does lm_head). The logits and the slot state match the same step on the bf16 copies."""
     import copy
     import dataclasses
 
-    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
-    fields = {AttentionWeights: ("qkv_fp8", "o_proj_fp8"), DeltaNetWeights: ("in_proj_fp8", "out_proj_fp8")}
+    from batchinfer.kernels.fp8_gemm import FP8Rows
+    from batchinfer.kernels.nvfp4_gemm import NVFP4Rows
+
+    cfg, ref, km = _models("tiny-qwen3.5-moe", quant)
+    fields = {
+        AttentionWeights: ("qkv_rows", "o_proj_rows"),
+        DeltaNetWeights: ("in_proj_rows", "out_proj_rows"),
+    }
+    expect = {"fp8_gemv": 0, "nvfp4_gemv": 0}
     for layer in km.layers:
-        assert all(getattr(layer.mixer, f) is not None for f in fields[type(layer.mixer)])
+        for f in fields[type(layer.mixer)]:
+            if quant == "nvfp4" and f == "in_proj_rows":
+                assert getattr(layer.mixer, f) is None
+                continue
+            assert isinstance(getattr(layer.mixer, f), FP8Rows if quant == "mixed" else NVFP4Rows)
+            expect["fp8_gemv" if quant == "mixed" else "nvfp4_gemv"] += 1
+    if quant == "mixed":
+        assert isinstance(km.lm_head_rows, NVFP4Rows)
+        expect["nvfp4_gemv"] += 1
+    else:
+        assert km.lm_head_rows is None
     plain = copy.copy(km)
+    plain.lm_head_rows = None
     plain.layers = [
         dataclasses.replace(x, mixer=dataclasses.replace(x.mixer, **dict.fromkeys(fields[type(x.mixer)])))
         for x in km.layers
     ]
     from batchinfer.engine import kernel_model
 
-    calls = []
-    real = kernel_model.fp8_gemv
-    monkeypatch.setattr(kernel_model, "fp8_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = {name: [] for name in expect}
+    for name, got in calls.items():
+        real = getattr(kernel_model, name)
+        counted = lambda *a, real=real, got=got, **k: got.append(1) or real(*a, **k)  # noqa: E731
+        monkeypatch.setattr(kernel_model, name, counted)
     (prompt,) = _random_prompts(cfg.vocab_size, [21])
     states, logits = [], []
     for model in (km, plain):
@@ -137,12 +159,13 @@ def test_one_row_decode_reads_the_fp8_projections(monkeypatch):
             model.decode(state, nxt, pos, torch.tensor([1], dtype=torch.int32, device=DEVICE)).float()
         )
         states.append(state)
-        # the one-row step: two GEMVs a layer (q|k|v and o_proj; in_proj and out_proj), the prefill none
-        assert len(calls) == 2 * len(km.layers)  # and the bf16 copies' step (second) none
+        # one GEMV a stacked weight in the one-row step; none in the prefill, none on the bf16 copies
+        assert {name: len(got) for name, got in calls.items()} == expect
     assert rel_err(logits[0], logits[1]) < 1e-2 and torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
     _assert_slot_state_matches(states[1], states[0], 1, len(prompt) + 1)
-    _, _, nvfp4 = _models("tiny-qwen3.5-moe", "nvfp4")
-    assert all(getattr(x.mixer, f) is None for x in nvfp4.layers for f in fields[type(x.mixer)])
+    _, _, bf16 = _models("tiny-qwen3.5-moe", "bf16")
+    assert bf16.lm_head_rows is None
+    assert all(getattr(x.mixer, f) is None for x in bf16.layers for f in fields[type(x.mixer)])
 
 
 def test_slots_refill_and_stop_rules():

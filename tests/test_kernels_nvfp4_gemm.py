@@ -7,10 +7,13 @@ from batchinfer.kernels.nvfp4 import quantize_nvfp4
 from batchinfer.kernels.nvfp4_gemm import (
     FUSED_MAX_M,
     GemmConfig,
+    GemvConfig,
     choose_split_k,
     nvfp4_dequantize,
     nvfp4_gemm,
     nvfp4_gemm_ref,
+    nvfp4_gemv,
+    stack_nvfp4,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,6 +108,46 @@ def test_one_row_takes_the_gemv(monkeypatch, n, k):
     assert len(calls) == 2
 
 
+def _stacked_case(ns: list[int], k: int, seed: int):
+    """One x row and NVFP4 weights of `ns` rows with distinct tensor scales, and the fp32 reference."""
+    g = torch.Generator().manual_seed(seed)
+    ws = [
+        quantize_nvfp4((torch.randn(n, k, generator=g) * (0.05 * (i + 1))).to(DEVICE))
+        for i, n in enumerate(ns)
+    ]
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    return x, ws, torch.cat([nvfp4_gemm_ref(x, w) for w in ws], dim=1)
+
+
+@pytest.mark.parametrize(
+    ("ns", "k", "config"),
+    [([40], 96, None), ([24, 8, 8], 304, GemvConfig(16, 2, 4, 2)), ([33, 31], 1024, GemvConfig(16, 4, 4, 4))],
+)  # ragged row tiles; a K split with a ragged last step; 4 splits
+def test_stacked_rows_gemv_matches_reference(ns, k, config):
+    """Group-major stacked rows (q|k|v-style, each matrix its own tensor scale) through the one-row GEMV,
+    twice (split counters reset): exact weights, so only accumulation order and the bf16 output round."""
+    for seed in (k, k + 1):
+        x, ws, ref = _stacked_case(ns, k, seed)
+        rows = stack_nvfp4(ws)
+        assert rows.shape == (sum(ns), k)
+        out = torch.full((1, sum(ns)), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        assert nvfp4_gemv(x, rows, out=out, config=config) is out
+        _check(out, ref)
+
+
+def test_stacked_rows_reject_bad_inputs():
+    x, ws, _ = _stacked_case([16, 16], 64, seed=5)
+    with pytest.raises(ValueError, match="share K"):
+        stack_nvfp4([ws[0], quantize_nvfp4(torch.randn(16, 32)).to(DEVICE)])
+    with pytest.raises(ValueError, match="at least one"):
+        stack_nvfp4([])
+    rows = stack_nvfp4(ws)
+    with pytest.raises(ValueError, match="x: expected bfloat16 \\[1, 64\\]"):
+        nvfp4_gemv(torch.cat([x, x]), rows)
+    with pytest.raises(ValueError, match="one row"):
+        nvfp4_gemm(torch.cat([x, x]), ws[0], config=GemvConfig(16, 2, 4))
+
+
 def test_leading_dims_and_default_config():
     g = torch.Generator().manual_seed(3)
     w = quantize_nvfp4(torch.randn(24, 64, generator=g)).to(DEVICE)
@@ -146,3 +189,13 @@ def test_matches_reference_real_shapes(m, n, k):
     if m <= FUSED_MAX_M:  # the even/odd variant the tuner compares
         even_odd = nvfp4_gemm(x, w, config=GemmConfig(16, 64, 256, 0, 4, 4, True))
         _check(even_odd, nvfp4_gemm_ref(x, w), tol=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ns", [[8192, 512, 512], [2048], [248320]])  # q|k|v (Qwen3-30B), o_proj, lm_head
+@pytest.mark.parametrize("config", [None, GemvConfig(64, 16, 4), GemvConfig(256, 4, 8, 2, 1)])
+def test_stacked_rows_gemv_real_shapes(ns, config):
+    x, ws, ref = _stacked_case(ns, 4096 if ns == [2048] else 2048, seed=sum(ns))
+    out = torch.full((1, sum(ns)), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    nvfp4_gemv(x, stack_nvfp4(ws), out=out, config=config)
+    _check(out, ref, tol=5e-3)

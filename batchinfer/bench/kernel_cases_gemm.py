@@ -19,7 +19,7 @@ from batchinfer.kernels.moe import fused_moe, moe_experts_ref, moe_route, moe_ro
 from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
-from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm
+from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemv, stack_nvfp4
 from batchinfer.models.config import ModelConfig
 
 
@@ -71,17 +71,21 @@ def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device) -> Ti
     xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(sets)]
     outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(sets)]
     w_bf16 = [w.dequantize(torch.bfloat16) for w in ws]  # rotated too, so cuBLAS gets no L2 advantage
-    gemm = nvfp4_gemm if kind == "nvfp4" else fp8_gemm
+    run = lambda i: (nvfp4_gemm if kind == "nvfp4" else fp8_gemm)(xs[i], ws[i], out=outs[i])  # noqa: E731
     baselines = {
         "dequant+cublas": lambda i: xs[i] @ ws[i].dequantize(torch.bfloat16).t(),
         "cublas_bf16": lambda i: torch.matmul(xs[i], w_bf16[i].t(), out=outs[i]),
     }
+    if kind == "nvfp4" and m == 1:  # the engine's one-row GEMV reads group-major rows (`NVFP4Rows`)
+        rows = [stack_nvfp4([w]) for w in ws]
+        baselines["gemv_checkpoint_layout"] = run
+        run = lambda i: nvfp4_gemv(xs[i], rows[i], out=outs[i])  # noqa: E731
     if kind == "fp8" and m >= 16:
         w_t = ws[0].data.t()
         baselines["scaled_mm_w8a8"] = lambda i: _scaled_mm_w8a8(xs[i], w_t, ws[0].scale)
     # The codec's dequantize copies its E2M1 table from the host, which a CUDA graph cannot capture.
     return Timed(
-        run=lambda i: gemm(xs[i], ws[i], out=outs[i]),
+        run=run,
         n_sets=sets,
         bytes=w_bytes + io_bytes,
         flops=2 * m * n * k,

@@ -310,6 +310,9 @@ def _fp8_gemv_launches() -> Iterator[tuple]:
 def _nvfp4_gemv_launches() -> Iterator[tuple]:
     w, x = quantize_nvfp4(torch.randn(8192, 2048) * 0.02), _t(1, 2048)  # q_proj, one row
     yield "N=8192 K=2048 M=1", nvfp4_gemm._nvfp4_gemv_kernel, lambda: nvfp4_gemm.nvfp4_gemm(x, w)
+    rows = nvfp4_gemm.stack_nvfp4([w])  # the engine's group-major rows (lm_head, NVFP4 projections)
+    group_major = lambda: nvfp4_gemm.nvfp4_gemv(x, rows)  # noqa: E731
+    yield "N=8192 K=2048 M=1 group-major", nvfp4_gemm._nvfp4_gemv_kernel, group_major
 
 
 def _moe_align_launches() -> Iterator[tuple]:

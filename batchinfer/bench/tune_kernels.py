@@ -1,7 +1,8 @@
 """Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
 
 Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds
-nvfp4,fp8,moe,moe_decode,moe_tc,moe_paths`); the winners go by hand into `_nvfp4_gemm_configs` /
+nvfp4,nvfp4_gemv,fp8,fp8_gemv,moe,moe_decode,moe_tc,moe_paths`); the winners go by hand into
+`_nvfp4_gemm_configs` / `gemv_config` / `fp8_gemv_config` /
 `_fp8_gemm_configs` / `_moe_configs` (and its boundaries `DECODE_MAX_ENTRIES`, `DECODE_MAX_PER_EXPERT`,
 `TC_GROUPED_MM_MIN_PER_EXPERT`). Logs one line per (kernel, shape, M) with the best config next to the
 current table's choice (and, for the linears, cuBLAS bf16 on the same shape; for the MoE decode path, the
@@ -23,7 +24,7 @@ import torch
 
 from batchinfer.bench.kernel_cases_gemm import _weights, moe_layer
 from batchinfer.bench.kernels import bench_models, rotating_sets, time_per_call
-from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm
+from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm, fp8_gemv, fp8_gemv_config, stack_fp8
 from batchinfer.kernels.moe import (
     DECODE_MAX_ENTRIES,
     MoEConfig,
@@ -37,7 +38,15 @@ from batchinfer.kernels.moe import (
     tc_config,
 )
 from batchinfer.kernels.moe_tc import MoETCConfig, pair_moe_weights
-from batchinfer.kernels.nvfp4_gemm import GemmConfig, _nvfp4_gemm_configs, nvfp4_gemm
+from batchinfer.kernels.nvfp4_gemm import (
+    GemmConfig,
+    GemvConfig,
+    _nvfp4_gemm_configs,
+    gemv_config,
+    nvfp4_gemm,
+    nvfp4_gemv,
+    stack_nvfp4,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +68,16 @@ def candidates(m: int) -> list[GemmConfig]:
     return [GemmConfig(*t, 1, w, s) for t in tiles for w in (4, 8) for s in (3, 4)]
 
 
-def tune_point(gemm: Callable, table: Callable, ws: list, wb: list, m: int) -> dict:
-    """Time the table's config, every candidate and cuBLAS bf16 for one (shape, M)."""
+def tune_point(
+    gemm: Callable, table: Callable, ws: list, wb: list, m: int, cands: list | None = None
+) -> dict:
+    """Time the table's config, every candidate (`candidates(m)` by default) and cuBLAS bf16 for one
+    (shape, M)."""
     sets, (n, k) = len(ws), wb[0].shape
     xs = [torch.randn(m, k, device=wb[0].device, dtype=torch.bfloat16) for _ in range(sets)]
     cublas = time_per_call(lambda i: xs[i] @ wb[i].t(), sets, budget_s=0.05)
     timings = {}
-    for cfg in dict.fromkeys([table(m, n), *candidates(m)]):
+    for cfg in dict.fromkeys([table(m, n), *(candidates(m) if cands is None else cands)]):
         try:
             run = lambda i, c=cfg: gemm(xs[i], ws[i], config=c)
             timings[cfg] = time_per_call(run, sets, budget_s=0.05)
@@ -80,6 +92,27 @@ def tune_point(gemm: Callable, table: Callable, ws: list, wb: list, m: int) -> d
         "timings": [[dataclasses.astuple(c), t * 1e6] for c, t in timings.items()],
     }
 
+
+# The one-row NVFP4 GEMV (`nvfp4_gemv` kind) on the engine's group-major rows: the linears above and both
+# models' lm_head, (BLOCK_N, BLOCK_G, num_warps, SPLIT_K 0 (from the CTA count), num_stages). A thread
+# holds BLOCK_N * BLOCK_G / (32 * warps) 16-code groups (rows along the threads: an x element serves
+# several rows).
+GEMV_SHAPES = SHAPES + [(248320, 2048), (151936, 2048)]
+GEMV_CANDIDATES = [
+    GemvConfig(bn, bg, w, 0, s)
+    for bn, bg, w, s in itertools.product((64, 128, 256, 512), (2, 4, 8, 16), (4, 8), (1, 3))
+    if 4 <= bn * bg // (32 * w) <= 16
+]
+
+# The one-row FP8 GEMV (`fp8_gemv` kind) on stacked rows, Qwen3.6's mixed layout: q|k|v, DeltaNet qkv|z,
+# o_proj / out_proj; BLOCK_G 16 columns of K a group. Bytes a thread loads a step: BLOCK_N * 16 * BLOCK_G /
+# (32 * warps).
+FP8_GEMV_SHAPES = [(9216, 2048), (12288, 2048), (2048, 4096)]
+FP8_GEMV_CANDIDATES = [
+    GemvConfig(bn, bg, w, 0, s)
+    for bn, bg, w, s in itertools.product((8, 16, 32, 64), (8, 16, 32), (2, 4, 8), (1, 3))
+    if 16 <= bn * 16 * bg // (32 * w) <= 128
+]
 
 MOE_TOKENS = [1, 8, 32, 128, 512, 4096]
 MOE_TILES = [
@@ -109,6 +142,10 @@ MOE_DECODE_GATE_UP = [
     (8, 128, 4, 1),
     (4, 128, 4, 1),
     (4, 128, 2, 1),
+    (32, 16, 2, 8),
+    (64, 16, 2, 8),
+    (64, 16, 4, 4),
+    (32, 32, 4, 4),
 ]
 MOE_DECODE_DOWN = [
     (32, 32, 2, 9),
@@ -288,7 +325,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="nvfp4,fp8")
-    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
+    ap.add_argument("--shapes", type=int, default=len(GEMV_SHAPES), help="only the first N shapes")
     ap.add_argument("--tokens", help="MoE token counts, comma-separated [default: per kind]")
     ap.add_argument("--models", default=",".join(bench_models()), help="MoE models, comma-separated")
     args = ap.parse_args()
@@ -335,13 +372,25 @@ def main() -> None:
                     results.append(r)
                     _dump(args.out, results)
             continue
-        gemm, table = (nvfp4_gemm, _nvfp4_gemm_configs) if kind == "nvfp4" else (fp8_gemm, _fp8_gemm_configs)
-        for n, k in SHAPES[: args.shapes]:
-            wbytes = n * k // 2 + n * k // 16 if kind == "nvfp4" else n * k
-            ws = _weights(kind, n, k, rotating_sets(wbytes), dev)
+        fp8 = kind in ("fp8", "fp8_gemv")
+        gemm, table = (fp8_gemm, _fp8_gemm_configs) if fp8 else (nvfp4_gemm, _nvfp4_gemm_configs)
+        cands, shapes = None, SHAPES
+        if kind == "nvfp4_gemv":
+            table, cands, shapes = (lambda m, n: gemv_config()), GEMV_CANDIDATES, GEMV_SHAPES
+        if kind == "fp8_gemv":
+            table, cands, shapes = (lambda m, n: fp8_gemv_config()), FP8_GEMV_CANDIDATES, FP8_GEMV_SHAPES
+        for n, k in shapes[: args.shapes]:
+            wbytes = n * k if fp8 else n * k // 2 + n * k // 16
+            ws = _weights("fp8" if fp8 else "nvfp4", n, k, rotating_sets(wbytes), dev)
             wb = [w.dequantize(torch.bfloat16) for w in ws]
-            for m in MS:
-                r = {"kind": kind, "n": n, "k": k, "m": m, **tune_point(gemm, table, ws, wb, m)}
+            if kind == "nvfp4_gemv":  # the engine's group-major rows
+                ws = [stack_nvfp4([w]) for w in ws]
+                gemm = lambda x, w, config: nvfp4_gemv(x, w, config=config)  # noqa: E731
+            if kind == "fp8_gemv":  # the engine's stacked rows
+                ws = [stack_fp8([w]) for w in ws]
+                gemm = lambda x, w, config: fp8_gemv(x, w, config=config)  # noqa: E731
+            for m in [1] if kind.endswith("_gemv") else MS:
+                r = {"kind": kind, "n": n, "k": k, "m": m, **tune_point(gemm, table, ws, wb, m, cands)}
                 log.info(
                     "%s N=%d K=%d M=%d: best %s %.1f us (%.2f TB/s weights); table %.1f; cublas %.1f us",
                     kind,

@@ -9,10 +9,11 @@ Weights are laid out once at load time for the kernels:
   (q|k|v, DeltaNet qkv|z|b|a). Measured on the H200 (docs/PERF.md), cuBLAS on the bf16 weight beats
   our NVFP4 and FP8 W-only kernels at these shapes from 8 rows up, and these weights are ~7% of the
   bytes of the model;
-- except in single-stream decode (one row), where these projections are most of the bytes a step
-  reads: projections that are FP8 in the checkpoint (NVIDIA's mixed layout) also keep their FP8 bytes,
-  stacked the same way (`FP8Rows`; DeltaNet's b|a, bf16 there, as the stack's bf16 tail), and one row
-  runs the FP8 GEMV on them (q|k|v 7.5 us against cuBLAS's 11.8 us on the H200, session 10).
+- except in single-stream decode (one row), where these linears are most of the bytes a step reads:
+  the ones quantized in the checkpoint also keep their checkpoint bytes, stacked the same way, and one
+  row runs a GEMV on them: FP8 projections (NVIDIA's mixed layout) as `FP8Rows` (DeltaNet's b|a, bf16
+  there, as the stack's bf16 tail; q|k|v 7.5 us against cuBLAS's 11.8 us on the H200, session 10),
+  NVFP4 ones (lm_head; every projection of an all-NVFP4 checkpoint) as group-major `NVFP4Rows`.
 State lives in per-slot pools preallocated by the caller (`SlotState`): the KV cache
 `[slots, Hkv, max_len, Dh]` per attention layer (bf16, or FP8 with a scale per token and head when asked,
 `kv_cache`: half the bytes, at some accuracy; `kernels/kv_cache.py`), conv state `[slots, K - 1, C]`
@@ -44,6 +45,7 @@ from batchinfer.kernels.moe import fused_moe
 from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
+from batchinfer.kernels.nvfp4_gemm import NVFP4Rows, nvfp4_gemv, stack_nvfp4
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
 from batchinfer.kernels.small_ops import add_rmsnorm, embedding
 from batchinfer.models.config import ModelConfig
@@ -69,18 +71,25 @@ def _expert(w: Linear) -> Linear:
     return w if isinstance(w, NVFP4Weight) else dense_bf16(w)
 
 
-def _fp8_rows(ws: Sequence[Linear], tail: Sequence[Linear] = ()) -> FP8Rows | None:
-    """The weights stacked as FP8 rows for one-row decode, when all of them are FP8 in the checkpoint, then
-    the `tail` weights' rows in bf16."""
-    if not all(isinstance(w, FP8Weight) for w in ws):
-        return None
-    return stack_fp8(ws, [dense_bf16(t) for t in tail])  # type: ignore[arg-type]
+OneRow = FP8Rows | NVFP4Rows | None
 
 
-def _linear(h: torch.Tensor, dense: torch.Tensor, fp8: FP8Rows | None) -> torch.Tensor:
-    """`h @ dense^T`; one row on the FP8 bytes when the checkpoint has them."""
-    if fp8 is not None and h.shape[0] == 1:
-        return fp8_gemv(h, fp8)
+def _one_row(ws: Sequence[Linear], tail: Sequence[Linear] = ()) -> OneRow:
+    """The weights stacked in their checkpoint format for one-row decode: FP8 ones with the `tail` weights'
+    rows in bf16 after them; NVFP4 ones when the tail is NVFP4 too; otherwise none (cuBLAS on bf16)."""
+    if all(isinstance(w, FP8Weight) for w in ws):
+        return stack_fp8(ws, [dense_bf16(t) for t in tail])  # type: ignore[arg-type]
+    if all(isinstance(w, NVFP4Weight) for w in [*ws, *tail]):
+        return stack_nvfp4([*ws, *tail])  # type: ignore[list-item]
+    return None
+
+
+def _linear(h: torch.Tensor, dense: torch.Tensor, one_row: OneRow) -> torch.Tensor:
+    """`h @ dense^T`; one row on the checkpoint's FP8 or NVFP4 bytes when it has them."""
+    if isinstance(one_row, FP8Rows) and h.shape[0] == 1:
+        return fp8_gemv(h, one_row)
+    if isinstance(one_row, NVFP4Rows) and h.shape[0] == 1:
+        return nvfp4_gemv(h, one_row)
     return h @ dense.t()
 
 
@@ -90,8 +99,8 @@ class AttentionWeights:
     o_proj: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    qkv_fp8: FP8Rows | None = None  # the same rows as FP8, where the checkpoint has them (one-row decode)
-    o_proj_fp8: FP8Rows | None = None
+    qkv_rows: OneRow = None  # the same rows in the checkpoint's FP8 or NVFP4 bytes (one-row decode)
+    o_proj_rows: OneRow = None
 
 
 @dataclass(slots=True)
@@ -102,8 +111,8 @@ class DeltaNetWeights:
     dt_bias: torch.Tensor  # fp32 [Hv]
     norm: torch.Tensor  # [Dv]
     out_proj: torch.Tensor
-    in_proj_fp8: FP8Rows | None = None  # qkv | z as FP8, b | a (bf16 in NVIDIA's checkpoints) as its tail
-    out_proj_fp8: FP8Rows | None = None
+    in_proj_rows: OneRow = None  # qkv | z as FP8, b | a (bf16 in NVIDIA's checkpoints) as its tail; or NVFP4
+    out_proj_rows: OneRow = None
 
 
 @dataclass(slots=True)
@@ -198,6 +207,7 @@ class KernelModel:
                 "weights: missing tensor 'lm_head' (and the config does not tie it to embed_tokens)"
             )
         self.lm_head = dense_bf16(lm_head).contiguous()
+        self.lm_head_rows = _one_row([lm_head])
         self.norm = weights["norm"].to(torch.bfloat16)
         self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, self.device)
         self.layers = [self._layer(weights, i, kind) for i, kind in enumerate(c.layer_types)]
@@ -213,8 +223,8 @@ class KernelModel:
                 o_proj=dense_bf16(w[a + "o_proj"]).contiguous(),
                 q_norm=w[a + "q_norm"].to(torch.bfloat16),
                 k_norm=w[a + "k_norm"].to(torch.bfloat16),
-                qkv_fp8=_fp8_rows(qkv),
-                o_proj_fp8=_fp8_rows([w[a + "o_proj"]]),
+                qkv_rows=_one_row(qkv),
+                o_proj_rows=_one_row([w[a + "o_proj"]]),
             )
         else:
             a = p + "linear_attn."
@@ -226,8 +236,8 @@ class KernelModel:
                 dt_bias=w[a + "dt_bias"].float().contiguous(),
                 norm=w[a + "norm"].to(torch.bfloat16),
                 out_proj=dense_bf16(w[a + "out_proj"]).contiguous(),
-                in_proj_fp8=_fp8_rows([w[a + n] for n in parts[:2]], [w[a + n] for n in parts[2:]]),
-                out_proj_fp8=_fp8_rows([w[a + "out_proj"]]),
+                in_proj_rows=_one_row([w[a + n] for n in parts[:2]], [w[a + n] for n in parts[2:]]),
+                out_proj_rows=_one_row([w[a + "out_proj"]]),
             )
         m = p + "mlp."
         experts = [tuple(_expert(w[f"{m}experts.{e}.{n}"]) for n in _MLP) for e in range(c.num_experts)]
@@ -377,19 +387,19 @@ class KernelModel:
                 kc, vc, ks, vs = state.kv(i)
                 store_kv(k, v, kc, vc, ks, vs, slot_idx, pos_idx)
                 o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)
-                h = _linear(o.reshape(len(ids), -1), layer.mixer.o_proj, layer.mixer.o_proj_fp8)
+                h = _linear(o.reshape(len(ids), -1), layer.mixer.o_proj, layer.mixer.o_proj_rows)
             else:
                 h = self._deltanet(h, layer.mixer, state, i, slots, None, 1)
             h, residual = add_rmsnorm(h, residual, layer.post_norm, c.rms_norm_eps, c.one_plus_norm)
             x = fused_moe(h, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
         h, _ = add_rmsnorm(x, residual, self.norm, c.rms_norm_eps, c.one_plus_norm)
-        return h @ self.lm_head.t()
+        return _linear(h, self.lm_head, self.lm_head_rows)
 
     def _qkv(self, h: torch.Tensor, w: AttentionWeights, positions: torch.Tensor):
         """q, k (normed, rotated), v `[T, heads, Dh]` and the output gate (or None) of one attention layer."""
         c = self.config
         T, H, Hkv, Dh = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = _linear(h, w.qkv, w.qkv_fp8)
+        qkv = _linear(h, w.qkv, w.qkv_rows)
         q_width = H * Dh * (2 if c.attn_output_gate else 1)
         q = qkv[:, :q_width].view(T, H, -1)  # Qwen3.5 interleaves per head: [h0 q | h0 gate | h1 q ...]
         gate = q[..., Dh:] if c.attn_output_gate else None
@@ -416,7 +426,7 @@ class KernelModel:
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
         Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         C = self._conv_dim
-        proj = _linear(h, w.in_proj, w.in_proj_fp8)  # [T, C + Hv * Dv + 2 * Hv]
+        proj = _linear(h, w.in_proj, w.in_proj_rows)  # [T, C + Hv * Dv + 2 * Hv]
         conv_state, rec = state.conv[i], state.recurrent[i]
         if cu_seqlens is None:
             mixed = causal_conv1d_update(proj[:, :C], w.conv, conv_state, slots)  # type: ignore[arg-type]
@@ -446,4 +456,4 @@ class KernelModel:
                 past=past,
             )
         o = gated_rmsnorm(o, z, w.norm, c.rms_norm_eps)
-        return _linear(o.reshape(T, Hv * Dv), w.out_proj, w.out_proj_fp8)
+        return _linear(o.reshape(T, Hv * Dv), w.out_proj, w.out_proj_rows)
