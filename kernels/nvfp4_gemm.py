@@ -14,8 +14,12 @@ workspace and the last CTA of each tile (counted with an atomic) sums them and w
 launch. Above FUSED_MAX_M rows the decode would be repeated per M tile, so W is instead dequantized to
 bf16 once (`nvfp4_dequantize`, same decode, fp32 scale product rounded once to bf16) and cuBLAS runs
 the GEMM; huge weights (lm_head) go in row slices of at most 128 MiB. One row (single-stream decode)
-takes a GEMV on CUDA cores instead (`_nvfp4_gemv_kernel`, the FP8 GEMV's scheme on the checkpoint
-layout), since the tensor-core kernel padded to 16 rows moved 0.4-0.7 TB/s at M=1 (session 10).
+takes a GEMV on CUDA cores instead (`_nvfp4_gemv_kernel`), since the tensor-core kernel padded to 16
+rows moved 0.4-0.7 TB/s at M=1 (session 10): each 16-code group's 8 bytes as one int64, decoded and
+multiplied by `e2m1_dot8`'s inline PTX. On the checkpoint layout (`nvfp4_gemm`) a thread holds one row;
+the engine stacks its weights group-major instead (`NVFP4Rows`, `nvfp4_gemv`), where each thread holds
+several rows of the same groups: lm_head 248,320 x 2,048 in 114.6 us on the H200, 2.50 TB/s (354.0 us
+on the checkpoint layout; cuBLAS on the bf16 copy 248.0; session 11).
 Assumes sm_90 (or the Triton interpreter); one CUDA stream per device at a time uses the split-K
 counters.
 """
