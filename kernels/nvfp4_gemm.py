@@ -125,7 +125,7 @@ def e4m3_to_f32(s):
 
 
 @triton.jit
-def e2m1_pair(w, P: tl.constexpr):
+def _e2m1_pair(w, P: tl.constexpr):
     """uint32 word of 8 E2M1 codes (code j in bits 4j..4j+3) -> codes P and P + 4 as fp32 times 2^-14.
 
     Both codes become fp16 bit patterns with the same shifts and masks (sign to bit 15/31, the three
@@ -143,7 +143,7 @@ def e2m1_pair(w, P: tl.constexpr):
 
 def _dot8_ptx() -> str:
     """PTX of `e2m1_dot8`: per code pair (P, P + 4) two shifts and masks build the pair as fp16x2 (as
-    `e2m1_pair`), each half converts to fp32 straight from its register half and is multiplied into its
+    `_e2m1_pair`), each half converts to fp32 straight from its register half and is multiplied into its
     parity's sum. Written out because Triton's compile of the same math extracts the halves with PRMTs
     (sm_90 SASS, session 11: the MoE decode path's gate_up loop 908 -> 860 instructions for 128 codes)."""
     lines = ["{", ".reg .b32 m, s, u;", ".reg .b16 lo, hi;", ".reg .f32 c;"]
@@ -165,14 +165,14 @@ _DOT8_PTX = tl.constexpr(_dot8_ptx())
 
 @triton.jit
 def e2m1_dot8(w, x0, x1, x2, x3, x4, x5, x6, x7, INTERPRET: tl.constexpr):
-    """Sums of the 8 E2M1 codes of uint32 words `w` (code j in bits 4j..4j+3, as `e2m1_pair`) times x0..x7
+    """Sums of the 8 E2M1 codes of uint32 words `w` (code j in bits 4j..4j+3, as `_e2m1_pair`) times x0..x7
     (fp32, broadcast against w): (even codes' sum, odd codes' sum), both times 2^-14. On the GPU one inline
     PTX block a word (`_dot8_ptx`); the interpreter runs the same math in Triton."""
     if INTERPRET:
-        c0, c4 = e2m1_pair(w, 0)
-        c1, c5 = e2m1_pair(w, 1)
-        c2, c6 = e2m1_pair(w, 2)
-        c3, c7 = e2m1_pair(w, 3)
+        c0, c4 = _e2m1_pair(w, 0)
+        c1, c5 = _e2m1_pair(w, 1)
+        c2, c6 = _e2m1_pair(w, 2)
+        c3, c7 = _e2m1_pair(w, 3)
         even = c0 * x0 + c2 * x2 + c4 * x4 + c6 * x6
         odd = c1 * x1 + c3 * x3 + c5 * x5 + c7 * x7
     else:
@@ -546,8 +546,18 @@ def nvfp4_gemv(x: torch.Tensor, w: NVFP4Rows, out: torch.Tensor | None = None,
         raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
     if x.device != w.codes.device:
         raise ValueError(f"x is on {x.device} but the weight is on {w.codes.device}")
+    g = k // 16
+    shapes = (w.codes.dtype, w.codes.is_contiguous(), w.scales.dtype, tuple(w.scales.shape),
+              w.scales.is_contiguous(), w.tensor_scale.dtype, tuple(w.tensor_scale.shape))
+    if shapes != (torch.int64, True, torch.uint8, (g, n), True, torch.float32, (n,)):
+        raise ValueError(
+            f"weight: expected NVFP4Rows as stack_nvfp4 makes them (contiguous int64 codes [{g}, {n}], uint8 "
+            f"scales [{g}, {n}], float32 tensor scales [{n}]), got codes {w.codes.dtype}, scales "
+            f"{w.scales.dtype} {list(w.scales.shape)}, tensor scales {w.tensor_scale.dtype} "
+            f"{list(w.tensor_scale.shape)}"
+        )
     out = check_gemm_out(out, 1, n, x.device)
-    _launch_gemv(x, w.codes, w.scales, w.tensor_scale, n, k // 16, True, out, config)
+    _launch_gemv(x, w.codes, w.scales, w.tensor_scale, n, g, True, out, config)
     return out
 
 

@@ -8,6 +8,7 @@ from batchinfer.kernels.nvfp4_gemm import (
     FUSED_MAX_M,
     GemmConfig,
     GemvConfig,
+    NVFP4Rows,
     choose_split_k,
     nvfp4_dequantize,
     nvfp4_gemm,
@@ -144,6 +145,9 @@ def test_stacked_rows_reject_bad_inputs():
     rows = stack_nvfp4(ws)
     with pytest.raises(ValueError, match="x: expected bfloat16 \\[1, 64\\]"):
         nvfp4_gemv(torch.cat([x, x]), rows)
+    bad = NVFP4Rows(rows.codes, rows.scales, rows.tensor_scale[:1])  # one scale for all: not a stack's
+    with pytest.raises(ValueError, match="float32 tensor scales \\[32\\]"):
+        nvfp4_gemv(x, bad)
     with pytest.raises(ValueError, match="one row"):
         nvfp4_gemm(torch.cat([x, x]), ws[0], config=GemvConfig(16, 2, 4))
 

@@ -325,7 +325,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="nvfp4,fp8")
-    ap.add_argument("--shapes", type=int, default=len(GEMV_SHAPES), help="only the first N shapes")
+    ap.add_argument("--shapes", type=int, help="only the first N shapes of each kind [default: all]")
     ap.add_argument("--tokens", help="MoE token counts, comma-separated [default: per kind]")
     ap.add_argument("--models", default=",".join(bench_models()), help="MoE models, comma-separated")
     args = ap.parse_args()
@@ -374,22 +374,20 @@ def main() -> None:
             continue
         fp8 = kind in ("fp8", "fp8_gemv")
         gemm, table = (fp8_gemm, _fp8_gemm_configs) if fp8 else (nvfp4_gemm, _nvfp4_gemm_configs)
-        cands, shapes = None, SHAPES
-        if kind == "nvfp4_gemv":
+        cands, shapes, stack = None, SHAPES, None
+        if kind == "nvfp4_gemv":  # the engine's group-major rows
             table, cands, shapes = (lambda m, n: gemv_config()), GEMV_CANDIDATES, GEMV_SHAPES
-        if kind == "fp8_gemv":
+            gemm, stack = (lambda x, w, config: nvfp4_gemv(x, w, config=config)), stack_nvfp4
+        if kind == "fp8_gemv":  # the engine's stacked rows
             table, cands, shapes = (lambda m, n: fp8_gemv_config()), FP8_GEMV_CANDIDATES, FP8_GEMV_SHAPES
+            gemm, stack = (lambda x, w, config: fp8_gemv(x, w, config=config)), stack_fp8
         for n, k in shapes[: args.shapes]:
             wbytes = n * k if fp8 else n * k // 2 + n * k // 16
             ws = _weights("fp8" if fp8 else "nvfp4", n, k, rotating_sets(wbytes), dev)
             wb = [w.dequantize(torch.bfloat16) for w in ws]
-            if kind == "nvfp4_gemv":  # the engine's group-major rows
-                ws = [stack_nvfp4([w]) for w in ws]
-                gemm = lambda x, w, config: nvfp4_gemv(x, w, config=config)  # noqa: E731
-            if kind == "fp8_gemv":  # the engine's stacked rows
-                ws = [stack_fp8([w]) for w in ws]
-                gemm = lambda x, w, config: fp8_gemv(x, w, config=config)  # noqa: E731
-            for m in [1] if kind.endswith("_gemv") else MS:
+            if stack is not None:
+                ws = [stack([w]) for w in ws]
+            for m in [1] if stack is not None else MS:
                 r = {"kind": kind, "n": n, "k": k, "m": m, **tune_point(gemm, table, ws, wb, m, cands)}
                 log.info(
                     "%s N=%d K=%d M=%d: best %s %.1f us (%.2f TB/s weights); table %.1f; cublas %.1f us",

@@ -86,9 +86,9 @@ def _one_row(ws: Sequence[Linear], tail: Sequence[Linear] = ()) -> OneRow:
 
 def _linear(h: torch.Tensor, dense: torch.Tensor, one_row: OneRow) -> torch.Tensor:
     """`h @ dense^T`; one row on the checkpoint's FP8 or NVFP4 bytes when it has them."""
-    if isinstance(one_row, FP8Rows) and h.shape[0] == 1:
+    if h.shape[0] == 1 and isinstance(one_row, FP8Rows):
         return fp8_gemv(h, one_row)
-    if isinstance(one_row, NVFP4Rows) and h.shape[0] == 1:
+    if h.shape[0] == 1 and isinstance(one_row, NVFP4Rows):
         return nvfp4_gemv(h, one_row)
     return h @ dense.t()
 
