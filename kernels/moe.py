@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
-from batchinfer.kernels.moe_tc import MoETCConfig, byte_k, k_byte, moe_experts_tc, scale_offset
+from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc, paired_dot8, scale_offset
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import (
@@ -310,13 +310,15 @@ def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, 
 @triton.jit
 def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAIRED: tl.constexpr):
     """The x of code P of the int64 `groups` of a row (fp32): x[16 g + P]; in the paired layout (`moe_tc`:
-    int64 g = 2 q + r holds bytes 8r..8r+7 of block q, byte p the K index `BYTE_K[p]` of the pair's groups
-    A (even P) and B (odd P)) x[32 q + BYTE_K[8 r + P // 2] + 16 (P % 2)], where BYTE_K[8 r + b] = 4 r +
-    BYTE_K[b] for b < 8. X_PMAJOR rows are stored as [16, G] in that order (the gate_up kernel's store)."""
+    int64 g = 2 q + r' holds words t = 2 r' and 2 r' + 1 of block q, each 8 slots j = P % 8 of group
+    j // 4 at K 8 ((j // 2) % 2) + 2 t + j % 2) x[32 q + 16 (j // 4) + that K]. X_PMAJOR rows are stored as
+    [16, G] in that order (the gate_up kernel's store)."""
     if X_PMAJOR:
         offs = P * G + groups
     elif PAIRED:
-        offs = (groups // 2) * 32 + (groups % 2) * 4 + (byte_k(P // 2) + 16 * (P % 2))
+        j: tl.constexpr = P % 8
+        k: tl.constexpr = 16 * (j // 4) + 8 * ((j // 2) % 2) + 2 * (P // 8) + j % 2
+        offs = (groups // 2) * 32 + (groups % 2) * 4 + k
     else:
         offs = groups * 16 + P
     return tl.load(x_row + offs, mask=mask_g, other=0.0).to(tl.float32)[None, :]
@@ -324,20 +326,24 @@ def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAI
 
 @triton.jit
 def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-               INTERPRET: tl.constexpr):
-    """Per (row, int64 of 16 codes): sums of code * x over its even and its odd codes, ([BN, BG], [BN, BG])
-    fp32 (times 2^-14); in the paired layout they belong to different scale groups.
+               PAIRED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per (row, int64 of 16 codes): two sums of code * x, ([BN, BG], [BN, BG]) fp32 (times 2^-14): over
+    its even and its odd codes, or in the paired layout over the codes of scale groups A and B.
 
     `w_ptrs` [BN, BG] point at 16 codes each as one int64 (codes 0-7 in the low word): one 2-D load
     contiguous along the groups, which Triton lays out with the groups across the threads."""
     w = tl.load(w_ptrs, mask=mask, other=0)
+    if PAIRED:
+        a0, b0 = paired_dot8(w.to(tl.uint32), x0, x1, x2, x3, x4, x5, x6, x7, INTERPRET)
+        a1, b1 = paired_dot8((w >> 32).to(tl.uint32), x8, x9, x10, x11, x12, x13, x14, x15, INTERPRET)
+        return a0 + a1, b0 + b1
     return group_dot16(w, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, INTERPRET)
 
 
 @triton.jit
 def _scaled(even, odd, s_ptrs, groups, mask, PAIRED: tl.constexpr):
     """The two sums of `_group_dot` times their block scales (times 2^-22): one scale per int64 (its
-    group), or in the paired layout the pair's two (A for the even codes, B for the odd)."""
+    group), or in the paired layout the pair's two (A, B)."""
     if PAIRED:
         first = s_ptrs - (groups % 2)[None, :]
         sa = e4m3_to_f32(tl.load(first, mask=mask, other=0))
@@ -376,13 +382,14 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk,
     else:
         offs_s = rows[:, None] * stride_sn + groups[None, :]
     even, odd = _group_dot(w_base + offs_w, mask,  #
-                           x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, INTERPRET)
+                           x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  #
+                           PAIRED, INTERPRET)
     p = _scaled(even, odd, s_base + offs_s, groups, mask, PAIRED)
     q = p
     if TWO:
         even, odd = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask,  #
                                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  #
-                               INTERPRET)
+                               PAIRED, INTERPRET)
         q = _scaled(even, odd, s_base + ROW2 * stride_sn + offs_s, groups, mask, PAIRED)  # stride_sn: 4
     return p, q
 
@@ -443,10 +450,12 @@ def _moe_decode_gate_up_kernel(
         gate = gate * (tl.load(ts_ptr + e * 2) * 4194304.0)
         up = up * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
         act = bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
-        if PAIRED:  # column n = 32 q + 16 grp + k sits in byte p = k_byte(k) of block q: code
-            # P = 2 (p % 8) + grp of int64 g = 2 q + p // 8
-            p = k_byte(rows % 16)
-            cols = (2 * (p % 8) + (rows % 32) // 16) * (N // 16) + 2 * (rows // 32) + p // 8
+        if PAIRED:  # column n = 32 q + 16 grp + 8 h + 2 t + c is slot j = 4 grp + 2 h + c of word t of
+            # block q: code P = 8 (t % 2) + j of int64 g = 2 q + t // 2 (`_x_at`)
+            k = rows % 16
+            t = (k % 8) // 2
+            j = 4 * ((rows % 32) // 16) + 2 * (k // 8) + k % 2
+            cols = (8 * (t % 2) + j) * (N // 16) + 2 * (rows // 32) + t // 2
         else:
             cols = (rows % 16) * (N // 16) + rows // 16
         tl.store(out_ptr + entry.to(tl.int64) * stride_om + cols, act, mask=mask_n)

@@ -11,31 +11,33 @@ and from there straight into the wgmma register operand layout, decoding in regi
 sm_90 TTGIR: no shared-memory copy of the decoded weight).
 
 That needs one block scale per row for each K=16 MMA, so the codes are repacked once (`pair_groups`):
-within each 32-code block of a row (two 16-code scale groups A, B) one byte holds A's code j in its low
-nibble and B's code j in its high nibble, and the 16 bytes are ordered so that the four a thread's MMA
-operand needs (K = 2t, 2t+1, 2t+8, 2t+9 for t = 0..3) are adjacent: byte `4 t + 2 h + c` holds K = `8 h +
-2 t + c` (`BYTE_K`). A step loads 16 bytes a row; the kernel views them back in K order (a reshape and
-permute that only relabels a thread's registers) and decodes four at a time, so shared memory is read
-32 bits at a time (sm_90: 15 shared loads an iteration instead of 27). The low nibbles are group A (one
-MMA against x[k : k+16]), the high nibbles group B (x[k+16 : k+32]). A loop iteration covers
-STEPS such blocks and loads a row's 16 STEPS code bytes in one load (STEPS 2: a whole 32-byte sector, by
-16-byte cp.async; as two 16-byte loads each used half a sector, and ncu counted 61% of the sectors the
-kernel fetched as excess) and its 2 STEPS block scales as 32-bit words, which Triton pipelines by
-cp.async with the codes. The scales are repacked at load too (`pair_scales`: `[K/64, E', N, 4]`, a row's
-four scales of a 64-code block in one word, the words of adjacent rows adjacent), so a tile's scale
-loads are coalesced: row-major, each row's 4 bytes an iteration took a 32-byte sector of its own, as
-many sectors as the codes. The decode path and the grouped-GEMM dequantization read the same layout
-(`scale_offset`). Loads of fewer than 4 bytes a thread it cannot pipeline: one-byte scale loads
-stalled the warps on L1 (ncu on the H200, session 6), and a [64, 4]-byte load still gave each of 128
-threads 2 bytes, a synchronous `LDG.U16` plus a copy through shared memory (sm_90 SASS, session 7).
-Codes are split into blocks (`_halves`) and words into scales (shifts) in registers.
+each 32-code block of a row (two 16-code scale groups A, B) is four 32-bit words, and word t holds the
+eight codes a thread's MMA operands need from it, A's and B's at K = 2t, 2t+1, 2t+8, 2t+9, with their
+bits placed so that each bf16x2 operand register is the word rotated and masked (`PAIR_WORD_BITS`). A step
+loads 16 bytes a row; the kernel views them in K order (a reshape and permute that only relabels a
+thread's registers), so shared memory is read 32 bits at a time (sm_90: 15 shared loads an iteration
+instead of 27). Group A is one MMA against x[k : k+16], group B one against x[k+16 : k+32]. A loop
+iteration covers STEPS such blocks and loads a row's 16 STEPS code bytes in one load (STEPS 2: a whole
+32-byte sector, by 16-byte cp.async; as two 16-byte loads each used half a sector, and ncu counted 61% of
+the sectors the kernel fetched as excess) and its 2 STEPS block scales as 32-bit words, which Triton
+pipelines by cp.async with the codes. The scales are repacked at load too (`pair_scales`: `[K/64, E', N,
+4]`, a row's four scales of a 64-code block in one word, the words of adjacent rows adjacent), so a tile's
+scale loads are coalesced: row-major, each row's 4 bytes an iteration took a 32-byte sector of its own,
+as many sectors as the codes. The decode path and the grouped-GEMM dequantization read the same layout
+(`paired_dot8`, `paired_codes`, `scale_offset`). Loads of fewer than 4 bytes a thread it cannot
+pipeline: one-byte scale loads stalled the warps on L1 (ncu on the H200, session 6), and a [64, 4]-byte
+load still gave each of 128 threads 2 bytes, a synchronous `LDG.U16` plus a copy through shared memory
+(sm_90 SASS, session 7). Codes are split into blocks (`_halves`) in registers.
 
-Decode (`_weight`, inline PTX on pairs of bytes): the code's sign goes to bit 15 and its three magnitude
-bits to bits 6-8 of a bf16 (code * 2^-126, E2M1's subnormal 0.5 included), times the block scale as a
-bf16 of e4m3 * 2^100 (one bf16x2 multiply a pair): code * scale * 2^-26, exact in bf16 (at most 6
-significant bits, far from the range limits); the epilogue multiplies by the tensor scale * 2^26. sm_90
-SASS (Triton 3.6), BLOCK_N 64 on 4 warps, STEPS 2: ~7.0 (gate_up) and ~8.3 (down) instructions a code a
-thread, each code serving every token of its tile. Entries are grouped by expert with `moe_align`
+Decode (`_decode_ptx`, inline PTX a word): a code's sign goes to bit 15 and its three magnitude bits to
+bits 6-8 of a bf16 (code * 2^-126, E2M1's subnormal 0.5 included), four registers from a word in nine
+instructions (funnel-shift rotations and masks), times the block scale as a bf16 of e4m3 * 2^100 (one
+bf16x2 multiply a pair; `_scales_ptx` builds both of a thread's rows' scales in one register): code *
+scale * 2^-26, exact in bf16 (at most 6 significant bits, far from the range limits); the epilogue
+multiplies by the tensor scale * 2^26. sm_90 SASS (Triton 3.6), gate_up at 32 tokens (BLOCK_N 64 on 4
+warps, STEPS 4): 509 instructions a loop iteration of 128 codes a thread, ~4.0 a code, each code serving
+every token of its tile (789 with the previous byte-per-K layout: a PRMT, two shifts and two logic ops a
+register, and five instructions a scale through fp16 and fp32). Entries are grouped by expert with `moe_align`
 (BLOCK_M-padded, as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a
 sum over each token's slots finishes. The engine loads its NVFP4 experts paired, and `moe._moe_configs`
 sends batches of more than ~0.35 entries an expert here, up to where grouped_mm wins (crossovers timed on
@@ -53,7 +55,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_weights import MoEWeights
-from batchinfer.kernels.nvfp4_gemm import bf16_rne, e2m1_to_f32, e4m3_to_f32, interpreting
+from batchinfer.kernels.nvfp4_gemm import bf16_rne, e4m3_to_f32, interpreting
 from batchinfer.kernels.small_ops import sum_slots
 
 
@@ -71,29 +73,59 @@ class MoETCConfig:
 
 @triton.jit
 def byte_k(p):
-    """The K index (0-15 within a scale group) that byte p (0-15) of a 16-byte block holds in the paired
-    layout: byte 4 t + 2 h + c holds K = 8 h + 2 t + c, so a thread's four operand bytes are adjacent."""
+    """The K index (0-15 within a scale group) of output element p (0-15) of a 16-byte block: word t = p // 4
+    holds the codes of K = 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (`PAIR_WORD_BITS`), a thread's four operand K."""
     return 8 * ((p % 4) // 2) + 2 * (p // 4) + p % 2
-
-
-@triton.jit
-def k_byte(k):
-    """The byte of a 16-byte block that holds K index k (`byte_k` inverted)."""
-    return 4 * ((k % 8) // 2) + 2 * (k // 8) + k % 2
 
 
 BYTE_K = [byte_k.fn(p) for p in range(16)]  # the same on the host (`pair_groups`, tests)
 
+# A paired word's 8 codes, slot j = 2 r + h: bf16 register r (0: group A at K 2t, 2t+1; 1: A at 2t+8, 2t+9;
+# 2, 3: group B at the same K), half h. Code bit b (magnitude 0-2, sign 3) goes to bf16 bit BF16_BIT[b] of
+# half h (code * 2^-126: E2M1's three magnitude bits at bf16's exponent/mantissa boundary, its subnormal 0.5
+# included) and is stored at that bit of the word rotated left by ROTATE[r][b]: register r is the word
+# rotated right and masked. No four rotations of one bf16x2 pattern tile 32 bits, so register 3 takes its
+# magnitude's low bit from a second rotation.
+BF16_BIT = (6, 7, 8, 15)
+ROTATE = ((0, 0, 0, 0), (4, 4, 4, 4), (10, 10, 10, 10), (14, 6, 6, 6))
+PAIR_WORD_BITS = [[(16 * (j % 2) + BF16_BIT[b] + ROTATE[j // 2][b]) % 32 for b in range(4)] for j in range(8)]
+_PAIR_ROWS = 1 << 20  # 16-byte blocks `pair_groups` repacks at a time (bounds its scratch memory)
+
 
 def pair_groups(packed: torch.Tensor) -> torch.Tensor:
     """NVFP4 codes `uint8 [..., K/2]` (byte j: code 2j low, 2j+1 high) -> the paired layout (module
-    docstring) of the same shape. K must be a multiple of 32."""
+    docstring) of the same shape: 32-bit word t of each 16-byte block holds both scale groups' codes at
+    K = 2t, 2t+1, 2t+8, 2t+9 in the bits of `PAIR_WORD_BITS`. K must be a multiple of 32."""
     k = packed.shape[-1] * 2
     if k % 32:
         raise ValueError(f"pair_groups: K = {k} codes a row must be a multiple of 32")
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k // 32, 2, 16)
-    codes = codes[..., BYTE_K]
-    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(packed.shape)
+    blocks = packed.reshape(-1, 16)
+    out = torch.empty_like(blocks)
+    t = torch.arange(4, device=packed.device)[:, None]
+    j = torch.arange(8, device=packed.device)[None, :]
+    k_of_slot = 16 * (j // 4) + 8 * ((j // 2) % 2) + 2 * t + j % 2  # [4 words, 8 slots] in the 32-code block
+    for r0 in range(0, blocks.shape[0], _PAIR_ROWS):
+        chunk = blocks[r0 : r0 + _PAIR_ROWS].to(torch.int64)
+        codes = torch.stack([chunk & 0xF, chunk >> 4], dim=-1).reshape(-1, 32)[:, k_of_slot]  # [n, 4, 8]
+        words = torch.zeros(codes.shape[:2], dtype=torch.int64, device=packed.device)
+        for slot, bits in enumerate(PAIR_WORD_BITS):
+            for b, pos in enumerate(bits):
+                words |= ((codes[..., slot] >> b) & 1) << pos
+        chunk_bytes = torch.stack([(words >> 8 * i) & 0xFF for i in range(4)], -1)
+        out[r0 : r0 + _PAIR_ROWS] = chunk_bytes.reshape(-1, 16)
+    return out.reshape(packed.shape)
+
+
+def unpair_groups(paired: torch.Tensor) -> torch.Tensor:
+    """`pair_groups` inverted (tests, and the reading of the layout in one place on the host)."""
+    blocks = paired.reshape(-1, 4, 4).to(torch.int64)
+    words = sum(blocks[..., i] << 8 * i for i in range(4))  # [n, 4]
+    codes = torch.zeros((words.shape[0], 32), dtype=torch.int64, device=paired.device)
+    for t in range(4):
+        for slot, bits in enumerate(PAIR_WORD_BITS):
+            kk = 16 * (slot // 4) + 8 * ((slot // 2) % 2) + 2 * t + slot % 2
+            codes[:, kk] = sum(((words[:, t] >> pos) & 1) << b for b, pos in enumerate(bits))
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).reshape(paired.shape)
 
 
 def pair_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -101,6 +133,9 @@ def pair_scales(scale: torch.Tensor) -> torch.Tensor:
     scales of a 64-code block in one 32-bit word (zero-padded past K), the words of every row of every
     expert adjacent, so that a tile's scale loads are coalesced (`scale_offset`)."""
     e, n, g = scale.shape
+    if (scale & 0x80).any():  # `_scales_ptx` drops the sign bit
+        raise ValueError("pair_scales: block scales with the sign bit set (e4m3 bytes >= 0x80); NVFP4 block "
+                         "scales are non-negative")
     padded = torch.zeros((e, n, triton.cdiv(g, 4) * 4), dtype=scale.dtype, device=scale.device)
     padded[..., :g] = scale
     return padded.view(e, n, -1, 4).permute(2, 0, 1, 3).contiguous()
@@ -121,18 +156,23 @@ def pair_moe_weights(w: MoEWeights) -> MoEWeights:
         w.w13_scale), w2_scale=pair_scales(w.w2_scale), paired=True)
 
 
-def _ptx(sh_m: int, sh_s: int) -> str:
-    """Four bytes (a thread's operand pairs of one row: K = 2t, 2t+1 and 2t+8, 2t+9) -> four bf16 codes *
-    2^-126 of one nibble, two a register: each byte pair spread to [b0, 0, b1, 0], magnitude bits shifted
-    to 6-8, sign to 15 (Triton's integer ops on uint8 tensors spend ~1.3x the instructions: PRMTs to
-    widen each byte, then 16-bit shifts)."""
-    pair = lambda sel, out: (f"prmt.b32 t, $2, 0, {sel}; shl.b32 u, t, {sh_m}; shl.b32 v, t, {sh_s}; "
-                             f"and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 {out}, u, v; ")
-    return "{ .reg .b32 t, u, v; " + pair("0x4140", "$0") + pair("0x4342", "$1") + "}"
+def _decode_ptx() -> str:
+    """One paired word ($4) -> its four bf16x2 registers of codes * 2^-126 (`PAIR_WORD_BITS`): $0, $1
+    group A (K 2t, 2t+1 and 2t+8, 2t+9), $2, $3 group B; a funnel-shift rotation and a mask a register."""
+    lines = ["{", ".reg .b32 t, u;"]
+    for r, rot in enumerate(ROTATE[:3]):
+        src = "$4"
+        if rot[0]:
+            lines.append(f"shf.r.wrap.b32 t, $4, $4, {rot[0]};")
+            src = "t"
+        lines.append(f"and.b32 ${r}, {src}, 0x81C081C0;")
+    lines += [f"shf.r.wrap.b32 t, $4, $4, {ROTATE[3][0]};", "and.b32 t, t, 0x00400040;",
+              f"shf.r.wrap.b32 u, $4, $4, {ROTATE[3][1]};", "and.b32 u, u, 0x81808180;",
+              "or.b32 $3, t, u;", "}"]
+    return "\n".join(lines)
 
 
-_LO_PTX = tl.constexpr(_ptx(6, 12))
-_HI_PTX = tl.constexpr(_ptx(2, 8))
+_DECODE_PTX = tl.constexpr(_decode_ptx())
 
 
 @triton.jit
@@ -142,15 +182,93 @@ def _scale(s):
 
 
 @triton.jit
-def _weight(b, s, HI: tl.constexpr, INTERPRET: tl.constexpr):
-    """[BN, 16] codes of one nibble times their rows' scales [BN, 1]: bf16 code * scale * 2^-26. The
-    interpreter runs no PTX and flushes bf16 subnormals, so there the codes are built as fp16 (code *
-    2^-14) and multiplied in fp32 (the same values)."""
+def _rotr(w, k: tl.constexpr):
+    """uint32 words rotated right by k (0 < k < 32)."""
+    return (w >> k) | (w << (32 - k))
+
+
+@triton.jit
+def _register_codes(u):
+    """A bf16x2 register of codes * 2^-126 (`_decode_ptx`) -> its two codes as fp32 * 2^-14, built as fp16
+    (magnitude to bits 9-11, E2M1's subnormal/normal boundary on fp16's), as `e2m1_to_f32`."""
+    f = ((u & 0x01C001C0) << 3) | (u & 0x80008000)
+    lo = (f & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (f >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def paired_codes(w):
+    """Paired words (int32 or uint32) -> their 8 codes as fp32 * 2^-14 in slot order (`PAIR_WORD_BITS`:
+    group A at K 2t, 2t+1, 2t+8, 2t+9, then group B): the math of `_decode_ptx` in Triton, for the
+    interpreter, the decode path and the dequantization."""
+    w = w.to(tl.uint32, bitcast=True)
+    c0, c1 = _register_codes(w & 0x81C081C0)
+    c2, c3 = _register_codes(_rotr(w, 4) & 0x81C081C0)
+    c4, c5 = _register_codes(_rotr(w, 10) & 0x81C081C0)
+    c6, c7 = _register_codes((_rotr(w, 14) & 0x00400040) | (_rotr(w, 6) & 0x81808180))
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+def _paired_dot8_ptx() -> str:
+    """PTX of `paired_dot8`: each register's two codes built as fp16 (magnitude at bits 9-11, sign 15: as
+    `_register_codes`, straight from rotations of the word), each half converted to fp32 and multiplied
+    into its group's sum (as `nvfp4_gemm._dot8_ptx` for the checkpoint layout; Triton's compile of
+    `paired_codes` took 13% more instructions and 168 registers in the decode path's gate_up, sm_90)."""
+    lines = ["{", ".reg .b32 t, u;", ".reg .b16 lo, hi;", ".reg .f32 c;"]
+    for r in range(4):
+        masks: dict[int, int] = {}
+        for b, fp16_bit in enumerate((9, 10, 11, 15)):
+            rot = (ROTATE[r][b] + BF16_BIT[b] - fp16_bit) % 32
+            masks[rot] = masks.get(rot, 0) | 0x10001 << fp16_bit
+        for i, (rot, mask) in enumerate(masks.items()):
+            src = "$2"
+            if rot:
+                lines.append(f"shf.r.wrap.b32 t, $2, $2, {rot};")
+                src = "t"
+            lines.append(f"and.b32 {'u' if i == 0 else 't'}, {src}, {mask:#010x};")
+            if i:
+                lines.append("or.b32 u, u, t;")
+        acc, x = f"${r // 2}", 3 + 2 * r
+        first = f"mul.rn.f32 {acc}, c, ${x};" if r % 2 == 0 else f"fma.rn.f32 {acc}, c, ${x}, {acc};"
+        lines += ["mov.b32 {lo, hi}, u;", "cvt.f32.f16 c, lo;", first, "cvt.f32.f16 c, hi;",
+                  f"fma.rn.f32 {acc}, c, ${x + 1}, {acc};"]
+    return "\n".join(lines + ["}"])
+
+
+_PAIRED_DOT8_PTX = tl.constexpr(_paired_dot8_ptx())
+
+
+@triton.jit
+def paired_dot8(w, x0, x1, x2, x3, x4, x5, x6, x7, INTERPRET: tl.constexpr):
+    """Paired words (uint32) times the x of their 8 slots (fp32, broadcast against w): (group A's sum,
+    group B's), fp32 * 2^-14. One inline PTX block a word on the GPU, `paired_codes` in the interpreter."""
     if INTERPRET:
-        return e2m1_to_f32(b, HI) * s.to(tl.float32) * 1.925929944387236e-34  # * 2^-112
-    ptx: tl.constexpr = _HI_PTX if HI else _LO_PTX
-    c = tl.inline_asm_elementwise(ptx, "=r,=r,r", [b.to(tl.uint8)], dtype=tl.bfloat16, is_pure=True, pack=4)
-    return c * s
+        c0, c1, c2, c3, c4, c5, c6, c7 = paired_codes(w)
+        a = c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3
+        b = c4 * x4 + c5 * x5 + c6 * x6 + c7 * x7
+    else:
+        a, b = tl.inline_asm_elementwise(
+            _PAIRED_DOT8_PTX, "=f,=f,r,f,f,f,f,f,f,f,f", [w, x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+        )
+    return a, b
+
+
+@triton.jit
+def _k_order(c0, c1, c2, c3):
+    """One group's four slot tensors [R, 4 words] (K 2t, 2t+1, 2t+8, 2t+9 of word t) -> [R, 16] in K order."""
+    both = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [R, t, c, h]: K 8 h + 2 t + c
+    return tl.reshape(tl.permute(both, (0, 3, 1, 2)), (both.shape[0], 16))
+
+
+@triton.jit
+def _block_words(b):
+    """A 32-code block's bytes [R, 16] as stored -> its four paired words [R, 4] (little-endian int32)."""
+    e, o = tl.split(tl.reshape(b.to(tl.int32), (b.shape[0], 4, 2, 2)))  # bytes 4t + {0, 2}, 4t + {1, 3}
+    b0, b2 = tl.split(e)
+    b1, b3 = tl.split(o)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
 
 
 @triton.jit
@@ -159,27 +277,53 @@ def _halves(x):
     return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
 
 
-@triton.jit
-def _scale_at(word, i: tl.constexpr):
-    """Byte i of each row's scale word [BN] as `_scale`'s fp32 (`e4m3_to_f32` keeps the low byte)."""
-    return _scale(word >> (8 * i))
+def _scales_ptx() -> str:
+    """Two rows' scale words ($4, $5: four e4m3 bytes each, non-negative, `pair_scales` checks) -> $0..$3,
+    scale i of both rows as bf16x2 times 2^100: a byte's seven low bits go to bf16 bits 4-10 (e4m3 * 2^-120,
+    its subnormals as bf16 subnormals, exact), then two exact bf16x2 multiplies by 2^110 (sm_90 SASS: two
+    instructions a scale where the fp16 -> fp32 -> bf16 route took five)."""
+    lines = ["{", ".reg .b32 t, u, k;", "mov.b32 k, 0x76807680;"]  # bf16x2 2^110
+    for half, sel in enumerate(("0x5410", "0x7632")):  # bytes [a0, a1, b0, b1], then [a2, a3, b2, b3]
+        lines.append(f"prmt.b32 t, $4, $5, {sel};")
+        for i, shift in enumerate(("shl.b32 u, t, 4;", "shr.b32 u, t, 4;")):
+            out = f"${2 * half + i}"
+            lines += [shift, "and.b32 u, u, 0x07F007F0;", "mul.rn.bf16x2 u, u, k;",
+                      f"mul.rn.bf16x2 {out}, u, k;"]
+    return "\n".join(lines + ["}"])
+
+
+_SCALES_PTX = tl.constexpr(_scales_ptx())
 
 
 @triton.jit
-def _iteration_scales(s, STEPS: tl.constexpr):
+def _word_scales(w, INTERPRET: tl.constexpr):
+    """Each row's scale word [BN] (int32, or int16 for its two low bytes) -> its four scales times 2^100:
+    bf16 on the GPU (`_scales_ptx`, the thread's two rows in one register), fp32 in the interpreter."""
+    w = w.to(tl.int32)
+    if INTERPRET:
+        r = (_scale(w), _scale(w >> 8), _scale(w >> 16), _scale(w >> 24))
+    else:
+        r = tl.inline_asm_elementwise(_SCALES_PTX, "=r,=r,=r,=r,r,r", [w], dtype=(tl.bfloat16,) * 4,
+                                      is_pure=True, pack=2)
+    return r
+
+
+@triton.jit
+def _iteration_scales(s, STEPS: tl.constexpr, INTERPRET: tl.constexpr):
     """A row's 2 STEPS block scales of one iteration as little-endian words [BN, WORDS] (`_launch`: int16
-    for STEPS 1, one int32 for 2, two for 4) -> (A, B) of each block in order, 2 STEPS tensors [BN] fp32
-    (block 0's twice when STEPS is 1)."""
+    for STEPS 1, one int32 for 2, two for 4) -> (A, B) of each block in order, 2 STEPS tensors [BN]
+    (`_word_scales`; block 0's twice when STEPS is 1)."""
     if STEPS == 4:
         w0, w1 = tl.split(s)
-        r = (_scale_at(w0, 0), _scale_at(w0, 1), _scale_at(w0, 2), _scale_at(w0, 3),
-             _scale_at(w1, 0), _scale_at(w1, 1), _scale_at(w1, 2), _scale_at(w1, 3))
+        a0, b0, a1, b1 = _word_scales(w0, INTERPRET)
+        a2, b2, a3, b3 = _word_scales(w1, INTERPRET)
+        r = (a0, b0, a1, b1, a2, b2, a3, b3)
     else:
-        w = tl.reshape(s, (s.shape[0],))
+        a0, b0, a1, b1 = _word_scales(tl.reshape(s, (s.shape[0],)), INTERPRET)
         if STEPS == 1:
-            r = (_scale_at(w, 0), _scale_at(w, 1), _scale_at(w, 0), _scale_at(w, 1))
+            r = (a0, b0, a0, b0)
         else:
-            r = (_scale_at(w, 0), _scale_at(w, 1), _scale_at(w, 2), _scale_at(w, 3))
+            r = (a0, b0, a1, b1)
     return r
 
 
@@ -202,15 +346,24 @@ def _iteration_blocks(b, STEPS: tl.constexpr):
 
 @triton.jit
 def _pair_step(b, sa, sb, xa, xb, acc, INTERPRET: tl.constexpr):
-    """acc + W[:, k : k+32] @ x^T for one 32-code block: b [BN, 16] its bytes, two K=16 MMAs; sa, sb [BN]
-    the block's two scales (fp32 from `_scale`)."""
+    """acc + W[:, k : k+32] @ x^T for one 32-code block: b [BN, 16] its bytes (four paired words), two K=16
+    MMAs; sa, sb [BN] the block's two scales * 2^100 (`_word_scales`). On the GPU bf16 codes * 2^-126 times
+    bf16 scales; the interpreter runs no PTX and flushes bf16 subnormals, so there the codes are
+    fp32 * 2^-14 and the products the same values."""
     BN: tl.constexpr = b.shape[0]
-    # byte 4 t + 2 h + c holds K = 8 h + 2 t + c (`BYTE_K`): back to K order, within each thread's registers
-    b = tl.reshape(tl.permute(tl.reshape(b, (BN, 4, 2, 2)), (0, 2, 1, 3)), (BN, 16)).to(tl.int32)
-    sa = sa.to(tl.bfloat16)[:, None]
-    sb = sb.to(tl.bfloat16)[:, None]
-    acc = tl.dot(_weight(b, sa, False, INTERPRET), xa, acc)
-    return tl.dot(_weight(b, sb, True, INTERPRET), xb, acc)
+    if INTERPRET:
+        c0, c1, c2, c3, c4, c5, c6, c7 = paired_codes(_block_words(b))
+        wa = _k_order(c0, c1, c2, c3) * sa[:, None] * 1.925929944387236e-34  # * 2^-112
+        wb = _k_order(c4, c5, c6, c7) * sb[:, None] * 1.925929944387236e-34
+    else:
+        # word t's outputs hold K 2t, 2t+1, 2t+8, 2t+9 (`byte_k`): to K order, within each thread's registers
+        b = tl.reshape(tl.permute(tl.reshape(b, (BN, 4, 2, 2)), (0, 2, 1, 3)), (BN, 16))
+        ca, cb = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [b.to(tl.uint8)],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        wa = ca * sa[:, None]
+        wb = cb * sb[:, None]
+    acc = tl.dot(wa, xa, acc)
+    return tl.dot(wb, xb, acc)
 
 
 @triton.jit
@@ -249,12 +402,13 @@ def _moe_tc_kernel(
     row_ok = mask_n[:, None]
     for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
         s_off = (k0 // 64) * stride_sk + (k0 // 32) % 2 if STEPS == 1 else (k0 // 64) * stride_sk
-        sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS)
+        sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS, INTERPRET)
         bw = _iteration_blocks(tl.load(w_ptrs + k0 // 2, mask=row_ok, other=0), STEPS)
         sc_up = sc
         bw_up = bw
         if GATE_UP:  # the up rows follow the N gate rows
-            sc_up = _iteration_scales(tl.load(s_ptrs + N * stride_sn + s_off, mask=row_ok, other=0), STEPS)
+            sc_up = _iteration_scales(tl.load(s_ptrs + N * stride_sn + s_off, mask=row_ok, other=0), STEPS,
+                                          INTERPRET)
             bw_up = _iteration_blocks(tl.load(w_ptrs + N * stride_wn + k0 // 2, mask=row_ok, other=0), STEPS)
         for u in tl.static_range(STEPS):
             k = k0 + 32 * u
@@ -307,24 +461,22 @@ def _dequant_paired_kernel(
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     """Paired rows [BLOCK_N, BLOCK_P 32-code blocks] -> bf16 (as `nvfp4_gemm._nvfp4_dequant_kernel`);
-    scales in the paired layout (`scale_offset`). The bytes are put back in K order in registers, so that
-    each row's BLOCK_P * 32 values are one contiguous store (2-byte scattered stores ran at ~5% of the
-    bandwidth)."""
+    codes as int32 words (stride_wn in words), scales in the paired layout (`scale_offset`). The codes are
+    put in K order in registers, so that each row's BLOCK_P * 32 values are one contiguous store (2-byte
+    scattered stores ran at ~5% of the bandwidth)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_rp = (rows < N)[:, None] & (pairs < PAIRS)[None, :]
-    byte = pairs[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]  # [1, P, 16]
-    b = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte, mask=mask_rp[:, :, None], other=0)
-    # byte 4 t + 2 h + c holds K = 8 h + 2 t + c (`byte_k`): swap the t and h axes
-    b = tl.permute(tl.reshape(b, (BLOCK_N, BLOCK_P, 4, 2, 2)), (0, 1, 3, 2, 4))
-    b = tl.reshape(b, (BLOCK_N, BLOCK_P, 16)).to(tl.int32)
+    word = pairs[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, P, 4]
+    w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=mask_rp[:, :, None], other=0)
+    c0, c1, c2, c3, c4, c5, c6, c7 = paired_codes(tl.reshape(w, (BLOCK_N * BLOCK_P, 4)))
     s_ptrs = s_ptr + scale_offset(rows[:, None], 2 * pairs[None, :], stride_sk)
-    ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None, None] * 4194304.0
-    sf_lo = e4m3_to_f32(tl.load(s_ptrs, mask=mask_rp, other=0))[:, :, None] * ts  # K 0-15 of a pair
-    sf_hi = e4m3_to_f32(tl.load(s_ptrs + 1, mask=mask_rp, other=0))[:, :, None] * ts  # K 16-31
-    lo = bf16_rne(e2m1_to_f32(b, False) * sf_lo, INTERPRET)
-    hi = bf16_rne(e2m1_to_f32(b, True) * sf_hi, INTERPRET)
-    val = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_N, BLOCK_P * 32))
+    ts = tl.load(ts_ptr + rows // TS_ROWS, mask=rows < N, other=0.0)[:, None] * 4194304.0
+    sa = tl.reshape(e4m3_to_f32(tl.load(s_ptrs, mask=mask_rp, other=0)) * ts, (BLOCK_N * BLOCK_P, 1))
+    sb = tl.reshape(e4m3_to_f32(tl.load(s_ptrs + 1, mask=mask_rp, other=0)) * ts, (BLOCK_N * BLOCK_P, 1))
+    lo = bf16_rne(_k_order(c0, c1, c2, c3) * sa, INTERPRET)  # K 0-15 of a pair
+    hi = bf16_rne(_k_order(c4, c5, c6, c7) * sb, INTERPRET)  # K 16-31
+    val = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, BLOCK_P * 32))
     k = tl.program_id(1) * BLOCK_P * 32 + tl.arange(0, BLOCK_P * 32)
     mask = (rows < N)[:, None] & (k < 32 * PAIRS)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_on + k[None, :], val, mask=mask)
@@ -346,10 +498,11 @@ def dequantize_paired_rows(
                          f"{(triton.cdiv(kb, 32), n, 4)} with rows 4 bytes apart (pair_scales)")
     block_n, block_p = (16, 4) if interpreting() else (32, 16)
     grid = (triton.cdiv(n, block_n), triton.cdiv(kb // 16, block_p))
+    words = packed.view(torch.int32)
     _dequant_paired_kernel[grid](
-        packed, block_scale.view(torch.uint8), tensor_scale.reshape(-1), out,  #
+        words, block_scale.view(torch.uint8), tensor_scale.reshape(-1), out,  #
         n, kb // 16, ts_rows,  #
-        packed.stride(0), block_scale.stride(0), out.stride(0),  #
+        words.stride(0), block_scale.stride(0), out.stride(0),  #
         BLOCK_N=block_n, BLOCK_P=block_p, INTERPRET=interpreting(), num_warps=4,  #
     )
 

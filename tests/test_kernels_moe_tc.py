@@ -12,7 +12,15 @@ from batchinfer.kernels.moe import (
     moe_route,
 )
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
-from batchinfer.kernels.moe_tc import BYTE_K, MoETCConfig, pair_groups, pair_moe_weights, pair_scales
+from batchinfer.kernels.moe_tc import (
+    BYTE_K,
+    PAIR_WORD_BITS,
+    MoETCConfig,
+    pair_groups,
+    pair_moe_weights,
+    pair_scales,
+    unpair_groups,
+)
 from test_kernels_moe import DEVICE, _rel, _route, _weights
 
 CFGS = [
@@ -22,19 +30,24 @@ CFGS = [
 
 
 def test_pairing_moves_every_code_to_its_slot():
-    """Byte p of each 32-code block: code k = BYTE_K[p] of the first scale group (low nibble), 16 + k
-    (high); a thread's four operand K (2t, 2t+1, 2t+8, 2t+9) in bytes 4t..4t+3."""
+    """Word t of each 32-code block holds group A's codes at K 2t, 2t+1, 2t+8, 2t+9 (slots 0-3) and group
+    B's (slots 4-7), code bit b of slot j at word bit PAIR_WORD_BITS[j][b]; every word bit is used once."""
     assert sorted(BYTE_K) == list(range(16))
     assert [BYTE_K[4 * t : 4 * t + 4] for t in range(4)] == [
         [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9] for t in range(4)
     ]
+    assert sorted(bit for bits in PAIR_WORD_BITS for bit in bits) == list(range(32))
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (3, 5, 32), dtype=torch.uint8, generator=g)  # K = 64 codes a row
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(3, 5, 2, 2, 16)  # [.., block, group, k]
-    block = pair_groups(packed).reshape(3, 5, 2, 16)
-    for p, k in enumerate(BYTE_K):
-        assert torch.equal(block[..., p] & 0xF, codes[..., 0, k])
-        assert torch.equal(block[..., p] >> 4, codes[..., 1, k])
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(3, 5, 2, 32).long()  # [.., block, k]
+    words = pair_groups(packed).reshape(3, 5, 2, 4, 4).long()
+    words = sum(words[..., i] << 8 * i for i in range(4))  # [.., block, t]
+    for t in range(4):
+        for j, bits in enumerate(PAIR_WORD_BITS):
+            k = 16 * (j // 4) + BYTE_K[4 * t + j % 4]
+            got = sum(((words[..., t] >> pos) & 1) << b for b, pos in enumerate(bits))
+            assert torch.equal(got, codes[..., k])
+    assert torch.equal(unpair_groups(pair_groups(packed)), packed)
     with pytest.raises(ValueError, match="multiple of 32"):
         pair_groups(packed[..., :8])
 
@@ -43,7 +56,7 @@ def test_paired_scales_put_a_rows_64_code_block_in_one_word_rows_adjacent():
     """`pair_scales`: group g of row n of expert e at e 4N + (g // 4) 4 E N + 4 n + g % 4 (`scale_offset`
     with the expert's base), zero-padded to a whole word where K is not a multiple of 64 codes."""
     g = torch.Generator().manual_seed(2)
-    scale = torch.randint(1, 256, (3, 5, 6), dtype=torch.uint8, generator=g)  # K = 96 codes: 6 groups
+    scale = torch.randint(1, 128, (3, 5, 6), dtype=torch.uint8, generator=g)  # K = 96 codes: 6 groups
     paired = pair_scales(scale)
     assert paired.shape == (2, 3, 5, 4)
     flat = paired.reshape(-1)
@@ -51,6 +64,9 @@ def test_paired_scales_put_a_rows_64_code_block_in_one_word_rows_adjacent():
     offs = e * 4 * 5 + (grp // 4) * 4 * 3 * 5 + 4 * n + grp % 4
     assert torch.equal(flat[offs], scale)
     assert not paired[1, ..., 2:].any()  # groups 6 and 7: padding
+    scale[2, 4, 5] |= 0x80  # a negative scale: the kernels read seven bits
+    with pytest.raises(ValueError, match="sign bit"):
+        pair_scales(scale)
 
 
 @pytest.mark.parametrize("cfg", CFGS)
@@ -205,6 +221,42 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize(("e", "d", "i", "shared"), [(256, 2048, 512, True), (128, 2048, 768, False)])
+def test_paired_decode_path_real_shapes(t, e, d, i, shared):
+    """One-token batches of paired experts take the decode path (`paired_dot8`'s PTX) by default."""
+    w = _weights(e, d, i, True, shared, seed=3 * t + e)
+    h = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
+    ids, route_w = moe_route(h @ w.router.t(), e, 8, True, shared)
+    paired = pair_moe_weights(w)
+    assert isinstance(moe._moe_configs(ids.numel(), paired.w13.shape[0], paired=True), MoEDecodeConfig)
+    assert _rel(moe_experts(h, ids, route_w, paired), moe_experts_ref(h, ids, route_w, w)) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_subnormal_block_scales_on_every_paired_path():
+    """E4M3 subnormal block scales (bytes 1-7) reach bf16 exactly in `_scales_ptx` and the decode path:
+    every paired path agrees with the reference when a quarter of the scales are subnormal."""
+    e, d, i = 16, 256, 128
+    w = _weights(e, d, i, True, False, seed=5)
+    g = torch.Generator().manual_seed(6)
+    for scale in (w.w13_scale, w.w2_scale):
+        sub = torch.randint(1, 8, scale.shape, generator=g, dtype=torch.uint8).to(DEVICE)
+        pick = (torch.rand(scale.shape, generator=g) < 0.25).to(DEVICE)
+        scale.view(torch.uint8).copy_(torch.where(pick, sub, scale.view(torch.uint8)))
+    paired = pair_moe_weights(w)
+    for t, cfg in ((1, None), (64, MoETCConfig(16, (64, 4, 3, 4), (64, 4, 3, 4))), (64, moe.tc_config(64))):
+        h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+        ids, route_w = moe_route(h @ w.router.t(), e, 8, True, False)
+        out = moe_experts(h, ids, route_w, paired, config=cfg)
+        assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
+    for ours, theirs in zip(dequantize_experts(paired), dequantize_experts(w), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("e", "d", "i", "shared"), [(256, 2048, 512, True), (128, 2048, 768, False)])
 def test_paired_experts_decode_to_the_same_bf16_real_shapes(e, d, i, shared):
     w = _weights(e, d, i, True, shared, seed=e)
@@ -212,46 +264,77 @@ def test_paired_experts_decode_to_the_same_bf16_real_shapes(e, d, i, shared):
         assert torch.equal(ours, theirs)
 
 
-def _run_ptx(ptx: str, src: int) -> tuple[int, int]:
+def _run_ptx(ptx: str, src: int) -> list[int]:
     """A model of the few PTX instructions `moe_tc`'s decode uses (the interpreter cannot run inline PTX):
-    32-bit prmt (byte select, selector nibbles 0-3 from a, 4-7 from b), shl, and, or. Input $2; returns
-    ($0, $1)."""
-    regs = {"$2": src}
+    32-bit shf.r.wrap (a funnel shift of b:a), prmt (byte select, selector nibbles 0-3 from a, 4-7 from b),
+    shl, shr, and, or, mov, mul.rn.bf16x2. Inputs $4 (and $5); returns $0..$3."""
+    regs = {"$4": src & 0xFFFFFFFF, "$5": src >> 32}
     val = lambda t: int(t, 0) if t[0].isdigit() else regs[t]
-    for ins in ptx.strip("{} ").split(";"):
+    for ins in ptx.strip("{} \n").split(";"):
         ins = ins.strip()
         if not ins or ins.startswith(".reg"):
             continue
         op, rest = ins.split(None, 1)
         d, *a = [x.strip() for x in rest.split(",")]
-        if op == "prmt.b32":
+        if op == "shf.r.wrap.b32":
+            regs[d] = ((val(a[0]) | val(a[1]) << 32) >> (val(a[2]) % 32)) & 0xFFFFFFFF
+        elif op == "prmt.b32":
             pool = val(a[0]) | val(a[1]) << 32
             regs[d] = sum(((pool >> 8 * ((val(a[2]) >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
         elif op == "shl.b32":
             regs[d] = (val(a[0]) << val(a[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[d] = val(a[0]) >> val(a[1])
+        elif op == "mov.b32":
+            regs[d] = val(a[0])
+        elif op == "mul.rn.bf16x2":
+            x, y = (
+                torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16)
+                for v in (val(a[0]), val(a[1]))
+            )
+            x, y = x.view(torch.bfloat16), y.view(torch.bfloat16)
+            z = (x.double() * y.double()).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+            regs[d] = int(z[0]) | int(z[1]) << 16
         elif op == "and.b32":
             regs[d] = val(a[0]) & val(a[1])
         elif op == "or.b32":
             regs[d] = val(a[0]) | val(a[1])
         else:
             raise AssertionError(f"instruction the test does not model: {ins}")
-    return regs["$0"], regs["$1"]
+    return [regs[f"${r}"] for r in range(4)]
 
 
-@pytest.mark.parametrize("hi", [False, True])
-def test_decode_ptx_builds_the_bf16_codes(hi):
-    """Each byte value (in position value % 4, random bytes beside it) gives bf16 bits worth E2M1(code) *
-    2^-126 of the chosen nibble: bytes 0, 1 in $0 (low half first), bytes 2, 3 in $1."""
+def test_scales_ptx_gives_both_rows_scales_times_2_100():
+    """Every non-negative finite e4m3 byte (subnormals included; 0x7F is NaN), in each of the four
+    positions of either row's word, comes back as its value * 2^100 in bf16, row $4 in the low half."""
+    from batchinfer.kernels import moe_tc
+
+    g = torch.Generator().manual_seed(8)
+    for v in range(127):
+        rows = torch.randint(0, 127, (2, 4), generator=g)
+        rows[v % 2, v % 4] = v
+        words = [sum(int(b) << 8 * i for i, b in enumerate(r)) for r in rows]
+        regs = _run_ptx(moe_tc._SCALES_PTX.value, words[0] | words[1] << 32)
+        got = torch.tensor([[r & 0xFFFF, r >> 16] for r in regs], dtype=torch.int32).to(torch.int16)
+        got = got.view(torch.bfloat16).double().T * 2.0**-100  # [row, scale]
+        assert torch.equal(got, rows.to(torch.uint8).view(torch.float8_e4m3fn).double()), (v, rows)
+
+
+def test_decode_ptx_builds_the_bf16_codes():
+    """Every paired word of random blocks gives four bf16x2 registers worth E2M1(code) * 2^-126: group A's
+    K 2t, 2t+1 in $0 (low half first), 2t+8, 2t+9 in $1, group B's in $2, $3."""
     from batchinfer.kernels import moe_tc
     from batchinfer.kernels.nvfp4 import E2M1_VALUES
 
-    ptx = (moe_tc._HI_PTX if hi else moe_tc._LO_PTX).value
     g = torch.Generator().manual_seed(7)
-    for b0 in range(256):
-        b = [b0, *torch.randint(0, 256, (3,), generator=g).tolist()]
-        b = b[b0 % 4 :] + b[: b0 % 4]  # b0 in every position in turn
-        out0, out1 = _run_ptx(ptx, b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)
-        halves = torch.tensor([out0 & 0xFFFF, out0 >> 16, out1 & 0xFFFF, out1 >> 16], dtype=torch.int32)
-        got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**126
-        want = E2M1_VALUES[[(x >> 4) if hi else (x & 0xF) for x in b]].double()
-        assert torch.equal(got, want), (b, got, want)
+    packed = torch.randint(0, 256, (64, 16), dtype=torch.uint8, generator=g)
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(64, 32).long()
+    words = pair_groups(packed).reshape(64, 4, 4).long()
+    words = sum(words[..., i] << 8 * i for i in range(4))
+    for blk in range(64):
+        for t in range(4):
+            regs = _run_ptx(moe_tc._DECODE_PTX.value, int(words[blk, t]))
+            halves = torch.tensor([[r & 0xFFFF, r >> 16] for r in regs], dtype=torch.int32).reshape(-1)
+            got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**126
+            k = [16 * (j // 4) + BYTE_K[4 * t + j % 4] for j in range(8)]
+            assert torch.equal(got, E2M1_VALUES[codes[blk, k]].double()), (blk, t)
