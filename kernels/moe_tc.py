@@ -157,18 +157,20 @@ def pair_moe_weights(w: MoEWeights) -> MoEWeights:
 
 
 def _decode_ptx() -> str:
-    """One paired word ($4) -> its four bf16x2 registers of codes * 2^-126 (`PAIR_WORD_BITS`): $0, $1
-    group A (K 2t, 2t+1 and 2t+8, 2t+9), $2, $3 group B; a funnel-shift rotation and a mask a register."""
-    lines = ["{", ".reg .b32 t, u;"]
+    """One paired word ($4) and its row's two block scales ($5, $6: bf16 times 2^100) -> its four bf16x2
+    registers of code * scale * 2^-26 (`PAIR_WORD_BITS`): $0, $1 group A (K 2t, 2t+1 and 2t+8, 2t+9),
+    $2, $3 group B. A register's codes (code * 2^-126) are a funnel-shift rotation and a mask of the word,
+    then one bf16x2 multiply by its group's scale (exact: at most 6 significant bits)."""
+    lines = ["{", ".reg .b32 t, u, sa, sb;", "mov.b32 sa, {$5, $5};", "mov.b32 sb, {$6, $6};"]
     for r, rot in enumerate(ROTATE[:3]):
         src = "$4"
         if rot[0]:
             lines.append(f"shf.r.wrap.b32 t, $4, $4, {rot[0]};")
             src = "t"
-        lines.append(f"and.b32 ${r}, {src}, 0x81C081C0;")
+        lines += [f"and.b32 u, {src}, 0x81C081C0;", f"mul.rn.bf16x2 ${r}, u, {'sa' if r < 2 else 'sb'};"]
     lines += [f"shf.r.wrap.b32 t, $4, $4, {ROTATE[3][0]};", "and.b32 t, t, 0x00400040;",
               f"shf.r.wrap.b32 u, $4, $4, {ROTATE[3][1]};", "and.b32 u, u, 0x81808180;",
-              "or.b32 $3, t, u;", "}"]
+              "or.b32 u, t, u;", "mul.rn.bf16x2 $3, u, sb;", "}"]
     return "\n".join(lines)
 
 
@@ -263,15 +265,6 @@ def _k_order(c0, c1, c2, c3):
 
 
 @triton.jit
-def _block_words(b):
-    """A 32-code block's bytes [R, 16] as stored -> its four paired words [R, 4] (little-endian int32)."""
-    e, o = tl.split(tl.reshape(b.to(tl.int32), (b.shape[0], 4, 2, 2)))  # bytes 4t + {0, 2}, 4t + {1, 3}
-    b0, b2 = tl.split(e)
-    b1, b3 = tl.split(o)
-    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
-
-
-@triton.jit
 def _halves(x):
     """x [BN, 2 n] -> (x[:, :n], x[:, n:]) within each thread's registers."""
     return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
@@ -329,7 +322,7 @@ def _iteration_scales(s, STEPS: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _iteration_blocks(b, STEPS: tl.constexpr):
-    """A row's 16 STEPS code bytes of one iteration [BN, 16 STEPS] -> its STEPS blocks [BN, 16] in order
+    """A row's 4 STEPS paired words of one iteration [BN, 4 STEPS] -> its STEPS blocks [BN, 4] in order
     (block 0 twice when STEPS is 1)."""
     if STEPS == 1:
         r = (b, b)
@@ -345,23 +338,35 @@ def _iteration_blocks(b, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _pair_step(b, sa, sb, xa, xb, acc, INTERPRET: tl.constexpr):
-    """acc + W[:, k : k+32] @ x^T for one 32-code block: b [BN, 16] its bytes (four paired words), two K=16
-    MMAs; sa, sb [BN] the block's two scales * 2^100 (`_word_scales`). On the GPU bf16 codes * 2^-126 times
-    bf16 scales; the interpreter runs no PTX and flushes bf16 subnormals, so there the codes are
-    fp32 * 2^-14 and the products the same values."""
-    BN: tl.constexpr = b.shape[0]
+def _bf16_halves(r):
+    """bf16x2 registers as int32 [R, 4] -> (low halves, high halves), bf16 [R, 4] each."""
+    lo = (r & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _pair_step(w, sa, sb, xa, xb, acc, INTERPRET: tl.constexpr):
+    """acc + W[:, k : k+32] @ x^T for one 32-code block: w [BN, 4] its paired words, two K=16 MMAs; sa, sb
+    [BN] the block's two scales * 2^100 (`_word_scales`). On the GPU bf16 codes * 2^-126 (`_decode_ptx` a
+    word: the inline PTX takes whole words, as a byte tensor's packs of four mix the rows r and r + 8 of
+    the MMA operand) times bf16 scales; the interpreter runs no PTX and flushes bf16 subnormals, so there
+    the codes are fp32 * 2^-14 and the products the same values."""
     if INTERPRET:
-        c0, c1, c2, c3, c4, c5, c6, c7 = paired_codes(_block_words(b))
+        c0, c1, c2, c3, c4, c5, c6, c7 = paired_codes(w)
         wa = _k_order(c0, c1, c2, c3) * sa[:, None] * 1.925929944387236e-34  # * 2^-112
         wb = _k_order(c4, c5, c6, c7) * sb[:, None] * 1.925929944387236e-34
     else:
-        # word t's outputs hold K 2t, 2t+1, 2t+8, 2t+9 (`byte_k`): to K order, within each thread's registers
-        b = tl.reshape(tl.permute(tl.reshape(b, (BN, 4, 2, 2)), (0, 2, 1, 3)), (BN, 16))
-        ca, cb = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r", [b.to(tl.uint8)],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        wa = ca * sa[:, None]
-        wb = cb * sb[:, None]
+        sa = tl.broadcast_to(sa[:, None], w.shape)
+        sb = tl.broadcast_to(sb[:, None], w.shape)
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(_DECODE_PTX, "=r,=r,=r,=r,r,h,h", [w, sa, sb],
+                                                   dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        a0, a1 = _bf16_halves(r0)
+        a8, a9 = _bf16_halves(r1)
+        b0, b1 = _bf16_halves(r2)
+        b8, b9 = _bf16_halves(r3)
+        wa = _k_order(a0, a1, a8, a9)
+        wb = _k_order(b0, b1, b8, b9)
     acc = tl.dot(wa, xa, acc)
     return tl.dot(wb, xb, acc)
 
@@ -389,7 +394,7 @@ def _moe_tc_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     j = tl.arange(0, 16)
-    w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16 * STEPS)[None, :]
+    w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 4 * STEPS)[None, :]  # words
     # an iteration's 2 STEPS block scales of a row: WORDS words (`pair_scales`: one 32-bit word a row and
     # 64-code block, rows adjacent; STEPS 1 a 16-bit half; s_ptr and its strides in words), 4 bytes a
     # thread, which Triton pipelines by cp.async; as bytes a thread got 2 of STEPS 2's 4 and loaded them
@@ -403,13 +408,13 @@ def _moe_tc_kernel(
     for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
         s_off = (k0 // 64) * stride_sk + (k0 // 32) % 2 if STEPS == 1 else (k0 // 64) * stride_sk
         sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS, INTERPRET)
-        bw = _iteration_blocks(tl.load(w_ptrs + k0 // 2, mask=row_ok, other=0), STEPS)
+        bw = _iteration_blocks(tl.load(w_ptrs + k0 // 8, mask=row_ok, other=0), STEPS)
         sc_up = sc
         bw_up = bw
         if GATE_UP:  # the up rows follow the N gate rows
             sc_up = _iteration_scales(tl.load(s_ptrs + N * stride_sn + s_off, mask=row_ok, other=0), STEPS,
                                           INTERPRET)
-            bw_up = _iteration_blocks(tl.load(w_ptrs + N * stride_wn + k0 // 2, mask=row_ok, other=0), STEPS)
+            bw_up = _iteration_blocks(tl.load(w_ptrs + N * stride_wn + k0 // 8, mask=row_ok, other=0), STEPS)
         for u in tl.static_range(STEPS):
             k = k0 + 32 * u
             xa = tl.load(x_ptrs + k, mask=valid[None, :], other=0.0)
@@ -433,6 +438,7 @@ def _moe_tc_kernel(
 def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_expert, num_padded,
             numel: int, a_div: int, cfg: MoETCConfig) -> None:
     wt, st = (w.w13, w.w13_scale) if gate_up else (w.w2, w.w2_scale)
+    wt = wt.view(torch.int32)  # the paired words
     ts = w.w13_tensor_scale if gate_up else w.w2_tensor_scale
     n = w.intermediate if gate_up else w.hidden
     block_n, warps, stages, steps = cfg.gate_up if gate_up else cfg.down

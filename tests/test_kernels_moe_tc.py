@@ -264,11 +264,13 @@ def test_paired_experts_decode_to_the_same_bf16_real_shapes(e, d, i, shared):
         assert torch.equal(ours, theirs)
 
 
-def _run_ptx(ptx: str, src: int) -> list[int]:
+def _run_ptx(ptx: str, src: int, *halves: int) -> list[int]:
     """A model of the few PTX instructions `moe_tc`'s decode uses (the interpreter cannot run inline PTX):
     32-bit shf.r.wrap (a funnel shift of b:a), prmt (byte select, selector nibbles 0-3 from a, 4-7 from b),
-    shl, shr, and, or, mov, mul.rn.bf16x2. Inputs $4 (and $5); returns $0..$3."""
+    shl, shr, and, or, mov (of a register or a pair of 16-bit ones), mul.rn.bf16x2. Inputs $4 (and $5: the
+    high word of `src`, or the 16-bit `halves` from $5 on); returns $0..$3."""
     regs = {"$4": src & 0xFFFFFFFF, "$5": src >> 32}
+    regs |= {f"${5 + i}": h for i, h in enumerate(halves)}
     val = lambda t: int(t, 0) if t[0].isdigit() else regs[t]
     for ins in ptx.strip("{} \n").split(";"):
         ins = ins.strip()
@@ -285,6 +287,8 @@ def _run_ptx(ptx: str, src: int) -> list[int]:
             regs[d] = (val(a[0]) << val(a[1])) & 0xFFFFFFFF
         elif op == "shr.b32":
             regs[d] = val(a[0]) >> val(a[1])
+        elif op == "mov.b32" and a[0].startswith("{"):
+            regs[d] = val(a[0].strip("{ ")) | val(a[1].strip("} ")) << 16
         elif op == "mov.b32":
             regs[d] = val(a[0])
         elif op == "mul.rn.bf16x2":
@@ -321,8 +325,9 @@ def test_scales_ptx_gives_both_rows_scales_times_2_100():
 
 
 def test_decode_ptx_builds_the_bf16_codes():
-    """Every paired word of random blocks gives four bf16x2 registers worth E2M1(code) * 2^-126: group A's
-    K 2t, 2t+1 in $0 (low half first), 2t+8, 2t+9 in $1, group B's in $2, $3."""
+    """Every paired word of random blocks, with scales 2^100 and 2^99 (bf16, as `_word_scales` gives),
+    gives four bf16x2 registers worth E2M1(code) * scale * 2^-126: group A's K 2t, 2t+1 in $0 (low half
+    first), 2t+8, 2t+9 in $1, group B's in $2, $3."""
     from batchinfer.kernels import moe_tc
     from batchinfer.kernels.nvfp4 import E2M1_VALUES
 
@@ -333,8 +338,9 @@ def test_decode_ptx_builds_the_bf16_codes():
     words = sum(words[..., i] << 8 * i for i in range(4))
     for blk in range(64):
         for t in range(4):
-            regs = _run_ptx(moe_tc._DECODE_PTX.value, int(words[blk, t]))
+            regs = _run_ptx(moe_tc._DECODE_PTX.value, int(words[blk, t]), 0x7180, 0x7100)  # 2^100, 2^99
             halves = torch.tensor([[r & 0xFFFF, r >> 16] for r in regs], dtype=torch.int32).reshape(-1)
-            got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**126
+            got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**26
+            got[4:] *= 2.0
             k = [16 * (j // 4) + BYTE_K[4 * t + j % 4] for j in range(8)]
             assert torch.equal(got, E2M1_VALUES[codes[blk, k]].double()), (blk, t)
