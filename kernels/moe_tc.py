@@ -10,34 +10,36 @@ chain from the loaded bytes, Triton loads the packed codes into shared memory (c
 and from there straight into the wgmma register operand layout, decoding in registers (checked in the
 sm_90 TTGIR: no shared-memory copy of the decoded weight).
 
-That needs one block scale per row for each K=16 MMA, so the codes are repacked once (`pair_groups`):
-each 32-code block of a row (two 16-code scale groups A, B) is four 32-bit words, and word t holds the
-eight codes a thread's MMA operands need from it, A's and B's at K = 2t, 2t+1, 2t+8, 2t+9, with their
-bits placed so that each bf16x2 operand register is the word rotated and masked (`PAIR_WORD_BITS`). A step
-loads 16 bytes a row; the kernel views them in K order (a reshape and permute that only relabels a
-thread's registers), so shared memory is read 32 bits at a time (sm_90: 15 shared loads an iteration
-instead of 27). Group A is one MMA against x[k : k+16], group B one against x[k+16 : k+32]. A loop
-iteration covers STEPS such blocks and loads a row's 16 STEPS code bytes in one load (STEPS 2: a whole
-32-byte sector, by 16-byte cp.async; as two 16-byte loads each used half a sector, and ncu counted 61% of
-the sectors the kernel fetched as excess) and its 2 STEPS block scales as 32-bit words, which Triton
-pipelines by cp.async with the codes. The scales are repacked at load too (`pair_scales`: `[K/64, E', N,
-4]`, a row's four scales of a 64-code block in one word, the words of adjacent rows adjacent), so a tile's
-scale loads are coalesced: row-major, each row's 4 bytes an iteration took a 32-byte sector of its own,
-as many sectors as the codes. The decode path and the grouped-GEMM dequantization read the same layout
-(`paired_dot8`, `paired_codes`, `scale_offset`). Loads of fewer than 4 bytes a thread it cannot
-pipeline: one-byte scale loads stalled the warps on L1 (ncu on the H200, session 6), and a [64, 4]-byte
-load still gave each of 128 threads 2 bytes, a synchronous `LDG.U16` plus a copy through shared memory
-(sm_90 SASS, session 7). Codes are split into blocks (`_halves`) in registers.
+That needs one block scale per row for each K=16 MMA, so the codes are repacked once (`pair_groups`): each
+32-code block of a row (two 16-code scale groups A, B) is four 32-bit words, and word t holds the eight codes
+a thread's MMA operands need from it, A's and B's at K = 2t, 2t+1, 2t+8, 2t+9, with their bits placed so that
+each bf16x2 operand register is the word rotated and masked (`PAIR_WORD_BITS`). The kernel loads the words as
+int32 (a byte tensor's packs of four, as inline PTX sees them, mix the rows r and r + 8 of the MMA operand),
+decodes each in PTX and puts the halves in K order (`_k_order`: a join and permute that only relabels a
+thread's registers). Group A is one MMA against x[k : k+16], group B one against x[k+16 : k+32]. A loop
+iteration covers STEPS such blocks and loads a row's 4 STEPS words in one load (STEPS 2: a whole 32-byte
+sector, by 16-byte cp.async; as two 16-byte loads each used half a sector, and ncu counted 61% of the sectors
+the kernel fetched as excess) and its 2 STEPS block scales as 32-bit words, which Triton pipelines by cp.async
+with the codes. The scales are repacked at load too (`pair_scales`: `[K/64, E', N, 4]`, a row's four scales of
+a 64-code block in one word, the words of adjacent rows adjacent), so a tile's scale loads are coalesced:
+row-major, each row's 4 bytes an iteration took a 32-byte sector of its own, as many sectors as the codes. The
+decode path and the grouped-GEMM dequantization read the same layout (`paired_dot8`, `paired_codes`,
+`scale_offset`). Loads of fewer than 4 bytes a thread it cannot pipeline: one-byte scale loads stalled the
+warps on L1 (ncu on the H200, session 6), and a [64, 4]-byte load still gave each of 128 threads 2 bytes, a
+synchronous `LDG.U16` plus a copy through shared memory (sm_90 SASS, session 7). Codes are split into blocks
+(`_halves`) in registers.
 
 Decode (`_decode_ptx`, inline PTX a word): a code's sign goes to bit 15 and its three magnitude bits to
 bits 6-8 of a bf16 (code * 2^-126, E2M1's subnormal 0.5 included), four registers from a word in nine
-instructions (funnel-shift rotations and masks), times the block scale as a bf16 of e4m3 * 2^100 (one
-bf16x2 multiply a pair; `_scales_ptx` builds both of a thread's rows' scales in one register): code *
-scale * 2^-26, exact in bf16 (at most 6 significant bits, far from the range limits); the epilogue
-multiplies by the tensor scale * 2^26. sm_90 SASS (Triton 3.6), gate_up at 32 tokens (BLOCK_N 64 on 4
-warps, STEPS 4): 509 instructions a loop iteration of 128 codes a thread, ~4.0 a code, each code serving
-every token of its tile (789 with the previous byte-per-K layout: a PRMT, two shifts and two logic ops a
-register, and five instructions a scale through fp16 and fp32). Entries are grouped by expert with `moe_align`
+instructions (funnel-shift rotations and masks), each times its row's block scale as a bf16 of e4m3 *
+2^100 (one bf16x2 multiply a register, the scale broadcast from a half; `_scales_ptx` builds both of a
+thread's rows' scales in one register, two instructions a scale): code * scale * 2^-26, exact in bf16
+(at most 6 significant bits, far from the range limits); the epilogue multiplies by the tensor scale *
+2^26. sm_90 SASS (Triton 3.6), gate_up at 32 tokens (BLOCK_N 64 on 4 warps, STEPS 4): 497 instructions
+a loop iteration of 128 codes a thread, ~3.9 a code, each code serving every token of its tile (789
+with the previous byte-per-K layout: a PRMT, two shifts and two logic ops a register, and five
+instructions a scale through fp16 and fp32; one MoE layer 15-19% faster on the H200 from 32 to 2,048
+tokens, docs/PERF.md session 12). Entries are grouped by expert with `moe_align`
 (BLOCK_M-padded, as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a
 sum over each token's slots finishes. The engine loads its NVFP4 experts paired, and `moe._moe_configs`
 sends batches of more than ~0.35 entries an expert here, up to where grouped_mm wins (crossovers timed on
