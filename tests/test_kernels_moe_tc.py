@@ -264,13 +264,13 @@ def test_paired_experts_decode_to_the_same_bf16_real_shapes(e, d, i, shared):
         assert torch.equal(ours, theirs)
 
 
-def _run_ptx(ptx: str, src: int, *halves: int) -> list[int]:
-    """A model of the few PTX instructions `moe_tc`'s decode uses (the interpreter cannot run inline PTX):
+def _run_ptx(ptx: str, regs: dict[str, int | float]) -> dict[str, int | float]:
+    """A model of the few PTX instructions `moe_tc`'s decodes use (the interpreter cannot run inline PTX):
     32-bit shf.r.wrap (a funnel shift of b:a), prmt (byte select, selector nibbles 0-3 from a, 4-7 from b),
-    shl, shr, and, or, mov (of a register or a pair of 16-bit ones), mul.rn.bf16x2. Inputs $4 (and $5: the
-    high word of `src`, or the 16-bit `halves` from $5 on); returns $0..$3."""
-    regs = {"$4": src & 0xFFFFFFFF, "$5": src >> 32}
-    regs |= {f"${5 + i}": h for i, h in enumerate(halves)}
+    shl, shr, and, or, mov (of a register, from or to a pair of 16-bit ones), mul.rn.bf16x2, cvt.f32.f16,
+    and fp32 mul and fma (in float64: exact products, the sums rounded once less than the GPU's). `regs`:
+    the inputs by operand name; returns every register."""
+    regs = dict(regs)
     val = lambda t: int(t, 0) if t[0].isdigit() else regs[t]
     for ins in ptx.strip("{} \n").split(";"):
         ins = ins.strip()
@@ -278,7 +278,15 @@ def _run_ptx(ptx: str, src: int, *halves: int) -> list[int]:
             continue
         op, rest = ins.split(None, 1)
         d, *a = [x.strip() for x in rest.split(",")]
-        if op == "shf.r.wrap.b32":
+        if op == "mov.b32" and d.startswith("{"):  # split a 32-bit register into its halves
+            regs[d.strip("{ ")], regs[a[0].strip("} ")] = val(a[1]) & 0xFFFF, val(a[1]) >> 16
+        elif op == "cvt.f32.f16":
+            regs[d] = torch.tensor([val(a[0])], dtype=torch.int32).to(torch.int16).view(torch.float16).item()
+        elif op == "mul.rn.f32":
+            regs[d] = val(a[0]) * val(a[1])
+        elif op == "fma.rn.f32":
+            regs[d] = val(a[0]) * val(a[1]) + val(a[2])
+        elif op == "shf.r.wrap.b32":
             regs[d] = ((val(a[0]) | val(a[1]) << 32) >> (val(a[2]) % 32)) & 0xFFFFFFFF
         elif op == "prmt.b32":
             pool = val(a[0]) | val(a[1]) << 32
@@ -305,7 +313,7 @@ def _run_ptx(ptx: str, src: int, *halves: int) -> list[int]:
             regs[d] = val(a[0]) | val(a[1])
         else:
             raise AssertionError(f"instruction the test does not model: {ins}")
-    return [regs[f"${r}"] for r in range(4)]
+    return regs
 
 
 def test_scales_ptx_gives_both_rows_scales_times_2_100():
@@ -318,7 +326,8 @@ def test_scales_ptx_gives_both_rows_scales_times_2_100():
         rows = torch.randint(0, 127, (2, 4), generator=g)
         rows[v % 2, v % 4] = v
         words = [sum(int(b) << 8 * i for i, b in enumerate(r)) for r in rows]
-        regs = _run_ptx(moe_tc._SCALES_PTX.value, words[0] | words[1] << 32)
+        out = _run_ptx(moe_tc._SCALES_PTX.value, {"$4": words[0], "$5": words[1]})
+        regs = [out[f"${r}"] for r in range(4)]
         got = torch.tensor([[r & 0xFFFF, r >> 16] for r in regs], dtype=torch.int32).to(torch.int16)
         got = got.view(torch.bfloat16).double().T * 2.0**-100  # [row, scale]
         assert torch.equal(got, rows.to(torch.uint8).view(torch.float8_e4m3fn).double()), (v, rows)
@@ -338,9 +347,34 @@ def test_decode_ptx_builds_the_bf16_codes():
     words = sum(words[..., i] << 8 * i for i in range(4))
     for blk in range(64):
         for t in range(4):
-            regs = _run_ptx(moe_tc._DECODE_PTX.value, int(words[blk, t]), 0x7180, 0x7100)  # 2^100, 2^99
+            out = _run_ptx(moe_tc._DECODE_PTX.value, {"$4": int(words[blk, t]), "$5": 0x7180, "$6": 0x7100})
+            regs = [out[f"${r}"] for r in range(4)]  # scales 2^100 (group A), 2^99 (B)
             halves = torch.tensor([[r & 0xFFFF, r >> 16] for r in regs], dtype=torch.int32).reshape(-1)
             got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**26
             got[4:] *= 2.0
             k = [16 * (j // 4) + BYTE_K[4 * t + j % 4] for j in range(8)]
             assert torch.equal(got, E2M1_VALUES[codes[blk, k]].double()), (blk, t)
+
+
+def test_paired_dot8_ptx_sums_each_groups_codes_times_x():
+    """The decode path's PTX (`paired_dot8`): every paired word of random blocks times 8 random x gives
+    (group A's sum, group B's) of E2M1(code) * x * 2^-14, the x in slot order."""
+    from batchinfer.kernels import moe_tc
+    from batchinfer.kernels.nvfp4 import E2M1_VALUES
+
+    g = torch.Generator().manual_seed(9)
+    packed = torch.randint(0, 256, (32, 16), dtype=torch.uint8, generator=g)
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(32, 32).long()
+    words = pair_groups(packed).reshape(32, 4, 4).long()
+    words = sum(words[..., i] << 8 * i for i in range(4))
+    for blk in range(32):
+        for t in range(4):
+            x = torch.randn(8, generator=g, dtype=torch.float64)
+            out = _run_ptx(
+                moe_tc._PAIRED_DOT8_PTX.value,
+                {"$2": int(words[blk, t])} | {f"${3 + j}": float(x[j]) for j in range(8)},
+            )
+            k = [16 * (j // 4) + BYTE_K[4 * t + j % 4] for j in range(8)]
+            want = E2M1_VALUES[codes[blk, k]].double() * x * 2.0**-14
+            assert out["$0"] == pytest.approx(float(want[:4].sum()), rel=1e-12, abs=1e-18)
+            assert out["$1"] == pytest.approx(float(want[4:].sum()), rel=1e-12, abs=1e-18)
