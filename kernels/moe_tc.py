@@ -39,7 +39,11 @@ thread's rows' scales in one register, two instructions a scale): code * scale *
 a loop iteration of 128 codes a thread, ~3.9 a code, each code serving every token of its tile (789
 with the previous byte-per-K layout: a PRMT, two shifts and two logic ops a register, and five
 instructions a scale through fp16 and fp32; one MoE layer 15-19% faster on the H200 from 32 to 2,048
-tokens, docs/PERF.md session 12). Entries are grouped by expert with `moe_align`
+tokens, docs/PERF.md session 12). An iteration's blocks form one [BN, 32 STEPS] tile and one `tl.dot`,
+and K is a constexpr: before, ptxas serialized every wgmma (`ptxas -v` info C7515: the loop's zero-trip
+path defined the accumulators outside the MMA pipeline) and Triton waited after each 16-code dot; now
+the wgmmas of a dot go back to back with one wait (sm_90: 450 instructions an iteration, 124 registers;
+not yet timed on the H200). Entries are grouped by expert with `moe_align`
 (BLOCK_M-padded, as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a
 sum over each token's slots finishes. The engine loads its NVFP4 experts paired, and `moe._moe_configs`
 sends batches of more than ~0.35 entries an expert here, up to where grouped_mm wins (crossovers timed on
@@ -348,12 +352,12 @@ def _bf16_halves(r):
 
 
 @triton.jit
-def _pair_step(w, sa, sb, xa, xb, acc, INTERPRET: tl.constexpr):
-    """acc + W[:, k : k+32] @ x^T for one 32-code block: w [BN, 4] its paired words, two K=16 MMAs; sa, sb
-    [BN] the block's two scales * 2^100 (`_word_scales`). On the GPU bf16 codes * 2^-126 (`_decode_ptx` a
-    word: the inline PTX takes whole words, as a byte tensor's packs of four mix the rows r and r + 8 of
-    the MMA operand) times bf16 scales; the interpreter runs no PTX and flushes bf16 subnormals, so there
-    the codes are fp32 * 2^-14 and the products the same values."""
+def _block_tiles(w, sa, sb, INTERPRET: tl.constexpr):
+    """One 32-code block's weight tiles: w [BN, 4] its paired words; sa, sb [BN] its two scales * 2^100
+    (`_word_scales`) -> (group A's tile, group B's), [BN, 16] each in K order. On the GPU bf16 code * scale
+    * 2^-26 (`_decode_ptx` a word: the inline PTX takes whole words, as a byte tensor's packs of four mix
+    the rows r and r + 8 of the MMA operand); the interpreter runs no PTX and flushes bf16 subnormals, so
+    there fp32 of the same values."""
     if INTERPRET:
         c0, c1, c2, c3, c4, c5, c6, c7 = paired_codes(w)
         wa = _k_order(c0, c1, c2, c3) * sa[:, None] * 1.925929944387236e-34  # * 2^-112
@@ -369,18 +373,45 @@ def _pair_step(w, sa, sb, xa, xb, acc, INTERPRET: tl.constexpr):
         b8, b9 = _bf16_halves(r3)
         wa = _k_order(a0, a1, a8, a9)
         wb = _k_order(b0, b1, b8, b9)
-    acc = tl.dot(wa, xa, acc)
-    return tl.dot(wb, xb, acc)
+    return wa, wb
+
+
+@triton.jit
+def _cat(x, y):
+    """[R, n] and [R, n] -> [R, 2 n], x's columns first (a relabelling of registers)."""
+    return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), (x.shape[0], 2 * x.shape[1]))
+
+
+@triton.jit
+def _block_tile(w, sa, sb, INTERPRET: tl.constexpr):
+    """`_block_tiles` as one [BN, 32] tile in K order."""
+    wa, wb = _block_tiles(w, sa, sb, INTERPRET)
+    return _cat(wa, wb)
+
+
+@triton.jit
+def _iteration_tile(bw, sc, STEPS: tl.constexpr, INTERPRET: tl.constexpr):
+    """An iteration's STEPS blocks (`_iteration_blocks`, `_iteration_scales`) -> its weight tile [BN, 32
+    STEPS] in K order, the A operand of one `tl.dot`: Triton then issues the iteration's 2 STEPS wgmmas
+    back to back and waits once, where a dot per 16-code group waited after each (sm_90 SASS)."""
+    t = _block_tile(bw[0], sc[0], sc[1], INTERPRET)
+    if STEPS == 2:
+        t = _cat(t, _block_tile(bw[1], sc[2], sc[3], INTERPRET))
+    elif STEPS == 4:
+        t01 = _cat(t, _block_tile(bw[1], sc[2], sc[3], INTERPRET))
+        t23 = _cat(_block_tile(bw[2], sc[4], sc[5], INTERPRET), _block_tile(bw[3], sc[6], sc[7], INTERPRET))
+        t = _cat(t01, t23)
+    return t
 
 
 @triton.jit
 def _moe_tc_kernel(
     a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, route_w_ptr,  #
     sorted_ptr, block_expert_ptr, num_padded_ptr,  #
-    NUMEL, N, K, A_DIV,  #
+    NUMEL, N, A_DIV,  #
     stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr, GATE_UP: tl.constexpr,  #
-    INTERPRET: tl.constexpr,  #
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr,  #
+    GATE_UP: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     """GATE_UP: out[entry, n] = silu(gate[n] . a[tok]) * (up[n] . a[tok]), tok = entry // A_DIV.
     Else (down): out[entry, n] = route_w[entry] * (w[n] . a[entry]). One expert's BLOCK_M entries and
@@ -395,7 +426,7 @@ def _moe_tc_kernel(
     a_rows = tl.where(valid, entry // A_DIV, 0).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
-    j = tl.arange(0, 16)
+    j = tl.arange(0, 32 * STEPS)
     w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 4 * STEPS)[None, :]  # words
     # an iteration's 2 STEPS block scales of a row: WORDS words (`pair_scales`: one 32-bit word a row and
     # 64-code block, rows adjacent; STEPS 1 a 16-bit half; s_ptr and its strides in words), 4 bytes a
@@ -403,7 +434,7 @@ def _moe_tc_kernel(
     # synchronously (sm_90 SASS), and byte loads stalled on L1 (ncu, H200)
     WORDS: tl.constexpr = 2 if STEPS == 4 else 1
     s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + (tl.arange(0, WORDS) * stride_sk)[None, :]
-    x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [16, BLOCK_M]: x^T
+    x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [32 STEPS, BLOCK_M]: x^T
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     row_ok = mask_n[:, None]
@@ -411,21 +442,15 @@ def _moe_tc_kernel(
         s_off = (k0 // 64) * stride_sk + (k0 // 32) % 2 if STEPS == 1 else (k0 // 64) * stride_sk
         sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS, INTERPRET)
         bw = _iteration_blocks(tl.load(w_ptrs + k0 // 8, mask=row_ok, other=0), STEPS)
-        sc_up = sc
-        bw_up = bw
+        x = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
+        if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
+            x = x.to(tl.float32)
+        acc = tl.dot(_iteration_tile(bw, sc, STEPS, INTERPRET), x, acc)
         if GATE_UP:  # the up rows follow the N gate rows
             sc_up = _iteration_scales(tl.load(s_ptrs + N * stride_sn + s_off, mask=row_ok, other=0), STEPS,
-                                          INTERPRET)
+                                      INTERPRET)
             bw_up = _iteration_blocks(tl.load(w_ptrs + N * stride_wn + k0 // 8, mask=row_ok, other=0), STEPS)
-        for u in tl.static_range(STEPS):
-            k = k0 + 32 * u
-            xa = tl.load(x_ptrs + k, mask=valid[None, :], other=0.0)
-            xb = tl.load(x_ptrs + k + 16, mask=valid[None, :], other=0.0)
-            if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
-                xa, xb = xa.to(tl.float32), xb.to(tl.float32)
-            acc = _pair_step(bw[u], sc[2 * u], sc[2 * u + 1], xa, xb, acc, INTERPRET)
-            if GATE_UP:
-                acc_up = _pair_step(bw_up[u], sc_up[2 * u], sc_up[2 * u + 1], xa, xb, acc_up, INTERPRET)
+            acc_up = tl.dot(_iteration_tile(bw_up, sc_up, STEPS, INTERPRET), x, acc_up)
     if GATE_UP:
         acc = acc * (tl.load(ts_ptr + e * 2) * 67108864.0)  # tensor scale * 2^26
         acc_up = acc_up * (tl.load(ts_ptr + e * 2 + 1) * 67108864.0)
@@ -454,9 +479,9 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
     _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #
         sorted_ids, block_expert, num_padded,  #
-        numel, n, k, a_div,  #
+        numel, n, a_div,  #
         a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), st.stride(2), out.stride(0),  #
-        BLOCK_N=block_n, BLOCK_M=cfg.block_m, STEPS=steps, GATE_UP=gate_up, INTERPRET=interpreting(),  #
+        K=k, BLOCK_N=block_n, BLOCK_M=cfg.block_m, STEPS=steps, GATE_UP=gate_up, INTERPRET=interpreting(),  #
         num_warps=warps, num_stages=stages,  #
     )
 

@@ -28,3 +28,5 @@ def test_all_kernels_compile_for_sm90_without_spills():
     gemv = [r for (name, _), r in by_kernel.items() if name in ("_fp8_gemv_kernel", "_nvfp4_gemv_kernel")]
     assert len(gemv) == 5  # the weight stream is cp.async (split-K too), except on group-major NVFP4 rows,
     assert all((int(r[8]) > 0) != ("group-major" in r[1]) for r in gemv)  # where loads in the loop won
+    serialized = {name: r[12].strip(" |") for (name, _), r in by_kernel.items()}
+    assert serialized["_moe_tc_kernel"] == ""  # pipelined (a zero-trip K loop serialized them to session 12)

@@ -4,8 +4,11 @@
 Each kernel is reached through its real launcher at its production config: the launcher runs on CPU
 tensors with the Triton launch replaced by a capture, so signature, constexprs, warps and stages are
 what the H200 would compile (pointer and multiple-of-16 integer arguments get Triton's runtime
-divisibility hint). `cuobjdump` from Triton's own package reads the cubin. Not a timing: it answers
-"does it compile for Hopper, does it spill, does it use wgmma / cp.async" before a GPU is available.
+divisibility hint). `cuobjdump` from Triton's own package reads the cubin, and its `ptxas -v` says
+whether it serialized the kernel's wgmmas (info C7515: each waits for the one before, as `moe_tc`'s did
+until session 12, because a zero-trip loop defined the accumulators outside the MMA pipeline). Not a
+timing: it answers "does it compile for Hopper, does it spill, does it use wgmma / cp.async, are its
+wgmmas pipelined" before a GPU is available.
 Run `python -m batchinfer.bench.sm90_report` (with TRITON_INTERPRET unset); exit status 1 when a
 kernel fails to compile or spills more than `--max-spill` bytes.
 """
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from batchinfer.kernels import (
@@ -118,8 +122,23 @@ def loop_loads(sass: str) -> int:
     )
 
 
+def wgmma_serialized(ptx: str) -> str:
+    """ptxas's reason for serializing the kernel's wgmmas (info C7515), or "" when it did not."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")]
+        info = subprocess.run(cmd, capture_output=True, text=True).stderr
+    m = re.search(
+        r"C7515\)[^:]*: wgmma.mma_async instructions are serialized due to (.*?)(?: in the function|$)", info
+    )
+    return m.group(1) if m else ""
+
+
 def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dict[str, Any]:
-    """Compile the launch `launch()` would make for sm_90; registers, spill bytes, smem, op counts."""
+    """Compile the launch `launch()` would make for sm_90; registers, spill bytes, smem, op counts, and
+    whether ptxas serialized its wgmmas."""
     src, consts, options = _source(kernel, *_capture(kernel, launch))
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -138,6 +157,7 @@ def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dic
         "smem": compiled.metadata.shared,
         **{op: len(re.findall(rf"\b{op}\b", sass)) for op in _OPS},
         "loop LDG": loop_loads(sass),
+        "wgmma serialized": wgmma_serialized(compiled.asm["ptx"]) if "HGMMA" in sass else "",
     }
 
 
@@ -342,8 +362,12 @@ def main() -> None:
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the report compiles real sm_90 code")
-    print("| kernel | case | config | regs | spill B | smem B | " + " | ".join(_OPS) + " | loop LDG |")
-    print("|---" * (7 + len(_OPS)) + "|")
+    print(
+        "| kernel | case | config | regs | spill B | smem B | "
+        + " | ".join(_OPS)
+        + " | loop LDG | wgmma serialized |"
+    )
+    print("|---" * (8 + len(_OPS)) + "|")
     failed = False
     for case, kernel, launch in launches():
         try:
@@ -355,7 +379,7 @@ def main() -> None:
         failed |= r["spill_bytes"] > args.max_spill
         print(
             f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
-            + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG"))
+            + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG", "wgmma serialized"))
             + " |"
         )
     sys.exit(1 if failed else 0)
