@@ -333,6 +333,16 @@ def test_scales_ptx_gives_both_rows_scales_times_2_100():
         assert torch.equal(got, rows.to(torch.uint8).view(torch.float8_e4m3fn).double()), (v, rows)
 
 
+def _random_paired_blocks(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """n random 32-code blocks: their codes [n, 32] in K order, their paired words [n, 4] (as int), and
+    the generator, for more random inputs."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, 16), dtype=torch.uint8, generator=g)
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(n, 32).long()
+    words = pair_groups(packed).reshape(n, 4, 4).long()
+    return codes, sum(words[..., i] << 8 * i for i in range(4)), g
+
+
 def test_decode_ptx_builds_the_bf16_codes():
     """Every paired word of random blocks, with scales 2^100 and 2^99 (bf16, as `_word_scales` gives),
     gives four bf16x2 registers worth E2M1(code) * scale * 2^-126: group A's K 2t, 2t+1 in $0 (low half
@@ -340,11 +350,7 @@ def test_decode_ptx_builds_the_bf16_codes():
     from batchinfer.kernels import moe_tc
     from batchinfer.kernels.nvfp4 import E2M1_VALUES
 
-    g = torch.Generator().manual_seed(7)
-    packed = torch.randint(0, 256, (64, 16), dtype=torch.uint8, generator=g)
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(64, 32).long()
-    words = pair_groups(packed).reshape(64, 4, 4).long()
-    words = sum(words[..., i] << 8 * i for i in range(4))
+    codes, words, _ = _random_paired_blocks(64, seed=7)
     for blk in range(64):
         for t in range(4):
             out = _run_ptx(moe_tc._DECODE_PTX.value, {"$4": int(words[blk, t]), "$5": 0x7180, "$6": 0x7100})
@@ -362,11 +368,7 @@ def test_paired_dot8_ptx_sums_each_groups_codes_times_x():
     from batchinfer.kernels import moe_tc
     from batchinfer.kernels.nvfp4 import E2M1_VALUES
 
-    g = torch.Generator().manual_seed(9)
-    packed = torch.randint(0, 256, (32, 16), dtype=torch.uint8, generator=g)
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(32, 32).long()
-    words = pair_groups(packed).reshape(32, 4, 4).long()
-    words = sum(words[..., i] << 8 * i for i in range(4))
+    codes, words, g = _random_paired_blocks(32, seed=9)
     for blk in range(32):
         for t in range(4):
             x = torch.randn(8, generator=g, dtype=torch.float64)
