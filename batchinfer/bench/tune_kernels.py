@@ -254,9 +254,11 @@ def tune_moe_decode(model: str, t: int, dev: torch.device) -> dict:
 # 64 a warpgroup (the sm_90 TTGIR keeps the decoded weight in registers for 64 rows on 4 warps, 128 on 8);
 # STEPS (1, 2 or 4) 32-code blocks an iteration (session 8, H200: 4 is fastest at BLOCK_M 16 and 32, 2 at 64;
 # kernels/moe.py TC_TILES).
+# Since 9a67b08 an iteration is one dot (its wgmmas pipelined): 128 rows on 8 warps at STEPS 4 compile
+# without spills too (124 registers at BLOCK_M 16, 152 at 32; sm_90).
 # fmt: off
 MOE_TC_TILES = [(64, 4, 3, 2), (64, 4, 3, 1), (64, 4, 3, 4), (64, 4, 2, 4), (64, 4, 4, 2), (64, 4, 2, 2),
-                (128, 8, 3, 2), (128, 8, 3, 1)]
+                (128, 8, 3, 2), (128, 8, 3, 1), (128, 8, 3, 4), (128, 8, 2, 4)]
 # fmt: on
 # BLOCK_M 128 (a wgmma N of 128: each decoded code serves twice the tokens of 64) for prefill sizes, where
 # grouped_mm still wins; sm_90 compile: no spills (gate_up 254 registers at 4 warps, 242 at 8).
