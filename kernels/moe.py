@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
-from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc, paired_dot8, scale_offset
+from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc, paired_dot8, scale_offset, slot_k
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import (
@@ -310,15 +310,12 @@ def _launch_moe_gemm(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, 
 @triton.jit
 def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAIRED: tl.constexpr):
     """The x of code P of the int64 `groups` of a row (fp32): x[16 g + P]; in the paired layout (`moe_tc`:
-    int64 g = 2 q + r' holds words t = 2 r' and 2 r' + 1 of block q, each 8 slots j = P % 8 of group
-    j // 4 at K 8 ((j // 2) % 2) + 2 t + j % 2) x[32 q + 16 (j // 4) + that K]. X_PMAJOR rows are stored as
-    [16, G] in that order (the gate_up kernel's store)."""
+    int64 g = 2 q + r' holds words t = 2 r' and 2 r' + 1 of block q, P = 8 (t % 2) + slot) x[32 q +
+    slot_k(t, slot)]. X_PMAJOR rows are stored as [16, G] in that order (the gate_up kernel's store)."""
     if X_PMAJOR:
         offs = P * G + groups
     elif PAIRED:
-        j: tl.constexpr = P % 8
-        k: tl.constexpr = 16 * (j // 4) + 8 * ((j // 2) % 2) + 2 * (P // 8) + j % 2
-        offs = (groups // 2) * 32 + (groups % 2) * 4 + k
+        offs = (groups // 2) * 32 + (groups % 2) * 4 + slot_k(P // 8, P % 8)
     else:
         offs = groups * 16 + P
     return tl.load(x_row + offs, mask=mask_g, other=0.0).to(tl.float32)[None, :]

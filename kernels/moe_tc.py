@@ -78,13 +78,11 @@ class MoETCConfig:
 
 
 @triton.jit
-def byte_k(p):
-    """The K index (0-15 within a scale group) of output element p (0-15) of a 16-byte block: word t = p // 4
-    holds the codes of K = 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (`PAIR_WORD_BITS`), a thread's four operand K."""
-    return 8 * ((p % 4) // 2) + 2 * (p // 4) + p % 2
-
-
-BYTE_K = [byte_k.fn(p) for p in range(16)]  # the same on the host (`pair_groups`, tests)
+def slot_k(t, j):
+    """The K index (0-31 within a 32-code block) of slot j (0-7) of paired word t (0-3): group j // 4 (A: K
+    0-15, B: 16-31) at K 2t, 2t+1, 2t+8, 2t+9 of it, a thread's four operand K (`PAIR_WORD_BITS`). Also
+    on the host (`slot_k.fn`: `pair_groups`, tests)."""
+    return 16 * (j // 4) + 8 * ((j // 2) % 2) + 2 * t + j % 2
 
 # A paired word's 8 codes, slot j = 2 r + h: bf16 register r (0: group A at K 2t, 2t+1; 1: A at 2t+8, 2t+9;
 # 2, 3: group B at the same K), half h. Code bit b (magnitude 0-2, sign 3) goes to bf16 bit BF16_BIT[b] of
@@ -109,7 +107,7 @@ def pair_groups(packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(blocks)
     t = torch.arange(4, device=packed.device)[:, None]
     j = torch.arange(8, device=packed.device)[None, :]
-    k_of_slot = 16 * (j // 4) + 8 * ((j // 2) % 2) + 2 * t + j % 2  # [4 words, 8 slots] in the 32-code block
+    k_of_slot = slot_k.fn(t, j)  # [4 words, 8 slots]
     for r0 in range(0, blocks.shape[0], _PAIR_ROWS):
         chunk = blocks[r0 : r0 + _PAIR_ROWS].to(torch.int64)
         codes = torch.stack([chunk & 0xF, chunk >> 4], dim=-1).reshape(-1, 32)[:, k_of_slot]  # [n, 4, 8]
@@ -120,18 +118,6 @@ def pair_groups(packed: torch.Tensor) -> torch.Tensor:
         chunk_bytes = torch.stack([(words >> 8 * i) & 0xFF for i in range(4)], -1)
         out[r0 : r0 + _PAIR_ROWS] = chunk_bytes.reshape(-1, 16)
     return out.reshape(packed.shape)
-
-
-def unpair_groups(paired: torch.Tensor) -> torch.Tensor:
-    """`pair_groups` inverted (tests, and the reading of the layout in one place on the host)."""
-    blocks = paired.reshape(-1, 4, 4).to(torch.int64)
-    words = sum(blocks[..., i] << 8 * i for i in range(4))  # [n, 4]
-    codes = torch.zeros((words.shape[0], 32), dtype=torch.int64, device=paired.device)
-    for t in range(4):
-        for slot, bits in enumerate(PAIR_WORD_BITS):
-            kk = 16 * (slot // 4) + 8 * ((slot // 2) % 2) + 2 * t + slot % 2
-            codes[:, kk] = sum(((words[:, t] >> pos) & 1) << b for b, pos in enumerate(bits))
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).reshape(paired.shape)
 
 
 def pair_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -352,9 +338,15 @@ def _bf16_halves(r):
 
 
 @triton.jit
-def _block_tiles(w, sa, sb, INTERPRET: tl.constexpr):
-    """One 32-code block's weight tiles: w [BN, 4] its paired words; sa, sb [BN] its two scales * 2^100
-    (`_word_scales`) -> (group A's tile, group B's), [BN, 16] each in K order. On the GPU bf16 code * scale
+def _cat(x, y):
+    """[R, n] and [R, n] -> [R, 2 n], x's columns first (a relabelling of registers)."""
+    return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), (x.shape[0], 2 * x.shape[1]))
+
+
+@triton.jit
+def _block_tile(w, sa, sb, INTERPRET: tl.constexpr):
+    """One 32-code block's weight tile: w [BN, 4] its paired words; sa, sb [BN] its two scales * 2^100
+    (`_word_scales`) -> [BN, 32] in K order (group A's 16 codes, then B's). On the GPU bf16 code * scale
     * 2^-26 (`_decode_ptx` a word: the inline PTX takes whole words, as a byte tensor's packs of four mix
     the rows r and r + 8 of the MMA operand); the interpreter runs no PTX and flushes bf16 subnormals, so
     there fp32 of the same values."""
@@ -373,19 +365,6 @@ def _block_tiles(w, sa, sb, INTERPRET: tl.constexpr):
         b8, b9 = _bf16_halves(r3)
         wa = _k_order(a0, a1, a8, a9)
         wb = _k_order(b0, b1, b8, b9)
-    return wa, wb
-
-
-@triton.jit
-def _cat(x, y):
-    """[R, n] and [R, n] -> [R, 2 n], x's columns first (a relabelling of registers)."""
-    return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), (x.shape[0], 2 * x.shape[1]))
-
-
-@triton.jit
-def _block_tile(w, sa, sb, INTERPRET: tl.constexpr):
-    """`_block_tiles` as one [BN, 32] tile in K order."""
-    wa, wb = _block_tiles(w, sa, sb, INTERPRET)
     return _cat(wa, wb)
 
 

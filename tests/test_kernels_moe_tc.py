@@ -13,13 +13,12 @@ from batchinfer.kernels.moe import (
 )
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
 from batchinfer.kernels.moe_tc import (
-    BYTE_K,
     PAIR_WORD_BITS,
     MoETCConfig,
     pair_groups,
     pair_moe_weights,
     pair_scales,
-    unpair_groups,
+    slot_k,
 )
 from test_kernels_moe import DEVICE, _rel, _route, _weights
 
@@ -32,8 +31,8 @@ CFGS = [
 def test_pairing_moves_every_code_to_its_slot():
     """Word t of each 32-code block holds group A's codes at K 2t, 2t+1, 2t+8, 2t+9 (slots 0-3) and group
     B's (slots 4-7), code bit b of slot j at word bit PAIR_WORD_BITS[j][b]; every word bit is used once."""
-    assert sorted(BYTE_K) == list(range(16))
-    assert [BYTE_K[4 * t : 4 * t + 4] for t in range(4)] == [
+    assert sorted(slot_k.fn(t, j) for t in range(4) for j in range(8)) == list(range(32))
+    assert [[slot_k.fn(t, j) for j in range(4)] for t in range(4)] == [
         [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9] for t in range(4)
     ]
     assert sorted(bit for bits in PAIR_WORD_BITS for bit in bits) == list(range(32))
@@ -44,10 +43,9 @@ def test_pairing_moves_every_code_to_its_slot():
     words = sum(words[..., i] << 8 * i for i in range(4))  # [.., block, t]
     for t in range(4):
         for j, bits in enumerate(PAIR_WORD_BITS):
-            k = 16 * (j // 4) + BYTE_K[4 * t + j % 4]
+            k = slot_k.fn(t, j)
             got = sum(((words[..., t] >> pos) & 1) << b for b, pos in enumerate(bits))
             assert torch.equal(got, codes[..., k])
-    assert torch.equal(unpair_groups(pair_groups(packed)), packed)
     with pytest.raises(ValueError, match="multiple of 32"):
         pair_groups(packed[..., :8])
 
@@ -358,7 +356,7 @@ def test_decode_ptx_builds_the_bf16_codes():
             halves = torch.tensor([[r & 0xFFFF, r >> 16] for r in regs], dtype=torch.int32).reshape(-1)
             got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**26
             got[4:] *= 2.0
-            k = [16 * (j // 4) + BYTE_K[4 * t + j % 4] for j in range(8)]
+            k = [slot_k.fn(t, j) for j in range(8)]
             assert torch.equal(got, E2M1_VALUES[codes[blk, k]].double()), (blk, t)
 
 
@@ -376,7 +374,7 @@ def test_paired_dot8_ptx_sums_each_groups_codes_times_x():
                 moe_tc._PAIRED_DOT8_PTX.value,
                 {"$2": int(words[blk, t])} | {f"${3 + j}": float(x[j]) for j in range(8)},
             )
-            k = [16 * (j // 4) + BYTE_K[4 * t + j % 4] for j in range(8)]
+            k = [slot_k.fn(t, j) for j in range(8)]
             want = E2M1_VALUES[codes[blk, k]].double() * x * 2.0**-14
             assert out["$0"] == pytest.approx(float(want[:4].sum()), rel=1e-12, abs=1e-18)
             assert out["$1"] == pytest.approx(float(want[4:].sum()), rel=1e-12, abs=1e-18)
