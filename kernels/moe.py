@@ -91,18 +91,27 @@ DECODE_MAX_PER_EXPERT = 0.35
 # 287 (Qwen3.6, 8,192), and grouped_mm wins at 512 and 574 (by 23% and 26%).
 GROUPED_MM_MIN_ENTRIES = 8192
 TC_GROUPED_MM_MIN_PER_EXPERT = 288
-# Up to this many entries an expert `moe_tc` takes BLOCK_M 64, above it 128: at 64 the two tie (Qwen3-30B,
-# 1,024 tokens), at 128 BLOCK_M 128 is 21% faster (2,048 tokens).
+# `moe_tc`'s BLOCK_M by entries an expert: 16 up to TC_BLOCK_M_16_MAX_PER_EXPERT, 32 up to
+# TC_BLOCK_M_32_MAX_PER_EXPERT, 64 up to TC_BLOCK_M_64_MAX_PER_EXPERT, then 128. H200, session 13 (the one-dot
+# loop, docs/PERF_KERNELS.md): 16 beats 32 by 9-13% at 4.5-9 an expert, 32 beats 16 by 7-8% at 16-18; 32
+# beats 64 by 18% at 17.9 and loses by 3-4% at 32-36; 64 beats 128 by 5% at 72, 128 beats 64 by 2-5% from 128.
+TC_BLOCK_M_16_MAX_PER_EXPERT = 12
+TC_BLOCK_M_32_MAX_PER_EXPERT = 24
 TC_BLOCK_M_64_MAX_PER_EXPERT = 96
-# `moe_tc`'s tiles (BLOCK_N, warps, stages, STEPS) for both GEMMs, by BLOCK_M. H200, session 8 (8098761,
-# docs/PERF_KERNELS.md): STEPS 4 took a Qwen3.6 layer from 226.6 to 193.2 us at 32 tokens (BLOCK_M 16) and
-# 350.2 to 291.4 at 128 (32); at BLOCK_M 64 it is 1% faster at 512 tokens and 1% slower at 2,048.
-TC_TILES = {16: (64, 4, 3, 4), 32: (64, 4, 3, 4), 64: (64, 4, 3, 2), 128: (64, 4, 3, 2)}
+# `moe_tc`'s tiles (BLOCK_N, warps, stages, STEPS) by BLOCK_M, for gate_up and for down. H200, session 13
+# (`tune_kernels --kinds moe_tc`, both models, 32-4,096 tokens): STEPS 4 at BLOCK_M 16 and 32; BLOCK_M 64
+# takes the 128-row down tile (2-6% on the layer); 128 rows on 8 warps for BLOCK_M 128's gate_up.
+TC_TILES = {
+    16: ((64, 4, 3, 4), (64, 4, 3, 4)),
+    32: ((64, 4, 3, 4), (64, 4, 4, 2)),
+    64: ((64, 4, 3, 2), (128, 8, 3, 4)),
+    128: ((128, 8, 3, 4), (64, 4, 3, 2)),
+}
 
 
 def tc_config(block_m: int) -> MoETCConfig:
-    """`moe_tc` at BLOCK_M with its tiles from TC_TILES."""
-    return MoETCConfig(block_m, TC_TILES[block_m], TC_TILES[block_m])
+    """`moe_tc` at BLOCK_M with its gate_up and down tiles from TC_TILES."""
+    return MoETCConfig(block_m, *TC_TILES[block_m])
 
 
 MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig | MoETCConfig
@@ -123,9 +132,9 @@ def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool =
             return MoETCConfig(16, (64, 4, 1, 1), (64, 4, 1, 1))
         if avg >= TC_GROUPED_MM_MIN_PER_EXPERT:
             return MoEGroupedMMConfig()
-        if avg <= 2:
+        if avg <= TC_BLOCK_M_16_MAX_PER_EXPERT:
             return tc_config(16)
-        if avg <= 16:
+        if avg <= TC_BLOCK_M_32_MAX_PER_EXPERT:
             return tc_config(32)
         return tc_config(64 if avg <= TC_BLOCK_M_64_MAX_PER_EXPERT else 128)
     if nvfp4 and numel <= DECODE_MAX_ENTRIES:

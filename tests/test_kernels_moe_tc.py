@@ -149,20 +149,27 @@ def test_paired_experts_decode_to_the_same_bf16():
 
 
 def test_paired_experts_follow_the_timed_table(monkeypatch):
-    """Paired experts (the engine's): the decode path up to ~0.35 entries an expert, `moe_tc` above, then
-    grouped_mm from ~290 entries an expert, the crossovers timed on the H200 at both models' widths."""
+    """Paired experts (the engine's): the decode path up to ~0.35 entries an expert, `moe_tc` above (BLOCK_M
+    growing with the entries an expert), then grouped_mm from ~290 entries an expert, the crossovers timed
+    on the H200 at both models' widths."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
     assert isinstance(moe._moe_configs(72, 257, paired=True), MoEDecodeConfig)  # Qwen3.6, T=8
     assert isinstance(moe._moe_configs(108, 257, paired=True), MoETCConfig)  # T=12
     assert isinstance(moe._moe_configs(288, 257, paired=True), MoETCConfig)  # T=32
     assert isinstance(moe._moe_configs(32, 128, paired=True), MoEDecodeConfig)  # Qwen3-30B, T=4
     assert isinstance(moe._moe_configs(64, 128, paired=True), MoETCConfig)  # T=8
-    assert moe._moe_configs(2304, 257, paired=True).block_m == 32  # T=256
+    assert moe._moe_configs(1152, 257, paired=True).block_m == 16  # T=128
+    assert moe._moe_configs(2304, 257, paired=True).block_m == 16  # T=256
+    assert moe._moe_configs(4608, 257, paired=True).block_m == 32  # T=512
+    assert moe._moe_configs(9216, 257, paired=True).block_m == 64  # T=1024
     assert moe._moe_configs(18432, 257, paired=True).block_m == 64  # T=2048
     assert moe._moe_configs(36864, 257, paired=True).block_m == 128  # T=4096
     assert isinstance(moe._moe_configs(73728, 257, paired=True), MoETCConfig)  # T=8192: a tie
     assert isinstance(moe._moe_configs(110592, 257, paired=True), MoEGroupedMMConfig)  # T=12288
-    assert moe._moe_configs(16384, 128, paired=True).block_m == 128  # Qwen3-30B, T=2048
+    assert moe._moe_configs(1024, 128, paired=True).block_m == 16  # Qwen3-30B, T=128
+    assert moe._moe_configs(2048, 128, paired=True).block_m == 32  # T=256
+    assert moe._moe_configs(4096, 128, paired=True).block_m == 64  # T=512
+    assert moe._moe_configs(16384, 128, paired=True).block_m == 128  # T=2048
     assert isinstance(moe._moe_configs(32768, 128, paired=True), MoETCConfig)  # T=4096
     assert isinstance(moe._moe_configs(65536, 128, paired=True), MoEGroupedMMConfig)  # T=8192
 
@@ -209,8 +216,7 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
     cfgs = (
         MoETCConfig(16, (64, 4, 3, 2), (64, 4, 3, 2)),
         MoETCConfig(32, (128, 8, 3, 1), (128, 8, 3, 1)),
-        MoETCConfig(16, (64, 4, 3, 4), (64, 4, 3, 4)),
-        moe.tc_config(128),
+        *(moe.tc_config(block_m) for block_m in moe.TC_TILES),
     )
     for cfg in cfgs:
         out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=cfg)
