@@ -48,5 +48,8 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of `quantize_rows_fp8`."""
     xf = x.float()
-    s = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its fp32 reciprocal
+    # (1 / 448 is inexact, so ~1 ulp off for some rows), where the kernel divides in IEEE.
+    s = amax / torch.full_like(amax, FP8_MAX)
     return (xf / s).to(torch.float8_e4m3fn), s
