@@ -4,15 +4,15 @@ computed 64 tokens at a time on tensor cores instead of one token at a time.
 Per chunk of BT tokens with inclusive log-decay cumsum G, the WY form of the delta rule gives
 (rows t, s of the chunk; S the state entering the chunk, `[Dk, Dv]`):
   A[t, s]  = beta_t exp(G_t - G_s) k_t . k_s           for s < t      (strictly lower)
-  Tm       = (I + A)^-1                                 (forward substitution, fp32)
+  Tm       = (I + A)^-1                                 (fp32, formed explicitly)
   U        = Tm (beta * V) - Tm (beta exp(G) * K) S     (the per-token deltas)
   O        = exp(G) * (Q S) + [exp(G_t - G_s) q_t . k_s]_{s <= t} U
   S'       = exp(G_last) S + (exp(G_last - G) * K)^T U
 Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, or from their slot's state for
 later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Three launches, as in FLA:
 `_chunk_prep_kernel` does everything that depends on neither S nor the other chunks, for all chunks at once
-(Tm by forward substitution in the 16 x 16 diagonal blocks, then a short Neumann series for the
-blocks below them, W = Tm (beta exp(G) K), U0 = Tm (beta V) and the decayed causal scores of Q K^T,
+(Tm from the 16 x 16 diagonal blocks' inverses and a short Neumann series for the blocks below
+them, W = Tm (beta exp(G) K), U0 = Tm (beta V) and the decayed causal scores of Q K^T,
 kept in bf16 workspaces); `_chunk_state_kernel` walks each sequence's chunks in order (one program per
 (sequence, v-head, v-tile), the state in registers) and does only U = U0 - W S and the state update, writing
 U and the state entering each chunk (bf16); `_chunk_out_kernel` then computes every chunk's outputs at once,
@@ -151,13 +151,13 @@ def _block_diag_inverse(A, BT: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
-def _apply_inverse(Td, N, x, NB: tl.constexpr, INTERPRET: tl.constexpr):
-    """(I + A)^-1 x = sum over m < NB of (-N)^m Td x, by Horner's rule (fp32, tf32 dots)."""
-    z = _dot_tf32(Td, x, INTERPRET)
-    w = z
+def _inverse(Td, N, NB: tl.constexpr, INTERPRET: tl.constexpr):
+    """(I + A)^-1 = sum over m < NB of (-N)^m Td `[BT, BT]`, by Horner's rule (fp32, tf32 dots): formed
+    once, so W and U0 take one dot a column slice (applying the series to each slice took NB)."""
+    inv = Td
     for _ in tl.static_range(NB - 1):
-        w = z - _dot_tf32(N, w, INTERPRET)
-    return w
+        inv = Td - _dot_tf32(N, inv, INTERPRET)
+    return inv
 
 
 @triton.jit
@@ -199,18 +199,19 @@ def _chunk_prep_kernel(
         # N = Td (A - D) strictly block-lower, so (I + N)^-1 = I - N + N^2 - ... (BT / SUB terms)
         Td = _block_diag_inverse(A, BT, SUB)
         N = _dot_tf32(Td, tl.where(rows[:, None] // SUB > rows[None, :] // SUB, A, 0.0), INTERPRET)
+        inv = _inverse(Td, N, BT // SUB, INTERPRET)
         # W and U0 a half of the head dim at a time (the columns are independent): fewer live fp32 tiles
         for part in tl.static_range(PARTS):
             cols = part * (BLOCK_K // PARTS) + tl.arange(0, BLOCK_K // PARTS)
             x = _scaled_cols(k_rows, t, ok, stride_kt, cols, cols < DK, rk, PAD, INTERPRET).to(tl.float32)
-            w = _apply_inverse(Td, N, x * (beta * tl.exp(G))[:, None], BT // SUB, INTERPRET)
+            w = _dot_tf32(inv, x * (beta * tl.exp(G))[:, None], INTERPRET)
             tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + cols[None, :],
                      small_ops._to(w, kd.dtype, INTERPRET), mask=_tile_mask(ok, cols < DK, PAD))
         for part in tl.static_range(PARTS):
             cols = part * (BLOCK_DV // PARTS) + tl.arange(0, BLOCK_DV // PARTS)
             v_ptrs = v_ptr + t[:, None] * stride_vt + h * stride_vh + cols[None, :]
             v = tl.load(v_ptrs, mask=_tile_mask(ok, cols < DV, PAD), other=0.0)
-            u = _apply_inverse(Td, N, v.to(tl.float32) * beta[:, None], BT // SUB, INTERPRET)
+            u = _dot_tf32(inv, v.to(tl.float32) * beta[:, None], INTERPRET)
             tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + cols[None, :],
                      small_ops._to(u, kd.dtype, INTERPRET), mask=_tile_mask(ok, cols < DV, PAD))
 

@@ -1,7 +1,8 @@
 """Offline tuner for the attention and DeltaNet config tables, plus the bf16-state accuracy measurement.
 
 Run on the H200 (`python -m batchinfer.bench.tune_attn --out tune_attn.json`); winners go by hand into
-`_prefill_configs` / `_decode_configs` (kernels/attention.py) and `_delta_rule_configs` (kernels/gdn.py).
+`_prefill_configs` / `_decode_configs` (kernels/attention.py), `_delta_rule_configs` (kernels/gdn.py) and
+`_chunk_configs` (kernels/gdn_chunk.py; `--parts gdn_chunk` times it alone).
 Every candidate is checked against a reference before it is timed, so a tile that miscompiles is
 reported, not picked.
 """
@@ -46,7 +47,23 @@ PREFILL = [
 DECODE = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
 GDN_DECODE = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)]
 GDN_PREFILL = [(bv, w) for bv in (8, 16, 32) for w in (1, 2, 4)]
-GDN_CHUNK = [(64, 16, 8), (64, 32, 8), (64, 16, 4), (32, 32, 4), (32, 16, 4)]  # BT, BLOCK_V, warps
+# The chunked rule: BT, BLOCK_V and warps of the sequential launch, warps of the prep and output launches.
+# BLOCK_V sets the sequential launch's programs (sequences x 32 v-heads x 128 / BLOCK_V, one CTA an SM at
+# these register counts), so it is timed at the engine's pass shapes: one 512-token prompt (`single`'s
+# TTFT), 16 x 1,024 and 8 x 2,048 (16,384-token passes: `offline`, `extract`).
+GDN_CHUNK = [
+    (64, bv, w, pw, ow)
+    for bv, w, pw, ow in [
+        (16, 4, 8, 8),
+        (32, 8, 8, 8),
+        (32, 4, 8, 8),
+        (64, 8, 8, 8),
+        (64, 4, 8, 8),
+        (16, 8, 4, 8),
+        (16, 8, 8, 4),
+    ]
+] + [(32, 32, 4, 8, 8), (32, 16, 4, 8, 8)]
+GDN_CHUNK_PASSES = [(1, 512), (16, 1024), (8, 2048)]  # sequences x tokens
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -177,16 +194,36 @@ def sweep_gdn(dev: torch.device) -> list[dict[str, Any]]:
     run = lambda c, i: gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu, config=c)
     ref = run(_delta_rule_configs(False), 0)
     configs = [_delta_rule_configs(False)] + [dict(BLOCK_V=bv, num_warps=w) for bv, w in GDN_PREFILL]
-    rows += _sweep(f"gdn prefill T={T} seqs={seqs}", configs, run, lambda c: run(c, 0), ref, 1, {"tokens": T})
+    return rows + _sweep(
+        f"gdn prefill T={T} seqs={seqs}", configs, run, lambda c: run(c, 0), ref, 1, {"tokens": T}
+    )
+
+
+def _gdn_chunk_point(dev: torch.device, seqs: int, length: int) -> list[dict[str, Any]]:
+    """The chunked rule's launch configs on `seqs` sequences of `length` tokens from a zero state, checked
+    against the token-loop kernel."""
+    T = seqs * length
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(T, dev)
+    cu = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
+    state = torch.empty(seqs, 32, 128, 128, device=dev)
+    slots = torch.arange(seqs, device=dev)
+    ref = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens=cu)
     chunk = lambda c, i: chunk_gated_delta_rule(
-        q, k, v, a, b, A_log, dt_bias, state, slots, cu, T // seqs, config=c
+        q, k, v, a, b, A_log, dt_bias, state, slots, cu, length, config=c
     )
     configs = [_chunk_configs()] + [
-        dict(BT=bt, BLOCK_V=bv, num_warps=w, prep_warps=8, out_warps=8) for bt, bv, w in GDN_CHUNK
+        dict(BT=bt, BLOCK_V=bv, num_warps=w, prep_warps=pw, out_warps=ow) for bt, bv, w, pw, ow in GDN_CHUNK
     ]
-    return rows + _sweep(
-        f"gdn chunked prefill T={T} seqs={seqs}", configs, chunk, lambda c: chunk(c, 0), ref, 1, {"tokens": T}
-    )
+    name = f"gdn chunked prefill {seqs} x {length}"
+    return _sweep(name, configs, chunk, lambda c: chunk(c, 0), ref, 1, {"tokens": T, "seqs": seqs})
+
+
+def sweep_gdn_chunk(dev: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for seqs, length in GDN_CHUNK_PASSES:
+        rows += _gdn_chunk_point(dev, seqs, length)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def bf16_state_drift(dev: torch.device, batch: int = 32, steps: int = 512) -> dict[str, Any]:
@@ -215,11 +252,17 @@ def bf16_state_drift(dev: torch.device, batch: int = 32, steps: int = 512) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="decode,gdn,drift,prefill")
+    ap.add_argument("--parts", default="decode,gdn,gdn_chunk,drift,prefill")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dev = torch.device("cuda")
-    parts = {"decode": sweep_decode, "gdn": sweep_gdn, "drift": bf16_state_drift, "prefill": sweep_prefill}
+    parts = {
+        "decode": sweep_decode,
+        "gdn": sweep_gdn,
+        "gdn_chunk": sweep_gdn_chunk,
+        "drift": bf16_state_drift,
+        "prefill": sweep_prefill,
+    }
     results: dict[str, Any] = {}
     for name in args.parts.split(","):
         results[name] = parts[name](dev)
