@@ -130,19 +130,23 @@ def _delta_rule_kernel(
 @triton.jit
 def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,  #
-    R, eps,  #
-    stride_x, stride_z, stride_out,  #
+    R, H, eps,  #
+    stride_xt, stride_xh, stride_zt, stride_zh, stride_out,  #
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
+    """Rows r = (t, h) of x, z `[T, H, D]` with free t and h strides (z is a view of the in-projection)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    t, h = rows // H, rows % H
     offs = tl.arange(0, BLOCK_D)
     d_ok = offs < D
     if BLOCK_D == D:
         m = (rows < R)[:, None]
     else:  # padded width: zeros in the extra lanes leave the sum of squares exact
         m = (rows < R)[:, None] & d_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + rows[:, None] * stride_z + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    x_rows = x_ptr + t * stride_xt + h * stride_xh
+    z_rows = z_ptr + t * stride_zt + h * stride_zh
+    x = tl.load(x_rows[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_rows[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
     w = _load(w_ptr + offs, d_ok, BLOCK_D != D).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))
@@ -218,14 +222,16 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     if z.shape != x.shape or weight.shape != (Dv,):
         raise ValueError(f"z/weight: expected z of shape {tuple(x.shape)} and weight ({Dv},), got "
                          f"{tuple(z.shape)} and {tuple(weight.shape)}")
-    x2, z2 = x.reshape(-1, Dv), z.reshape(-1, Dv)
-    _check("x", x2, x2.shape)
-    _check("z", z2, z2.shape)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    R = x2.shape[0]
+    # as [T, H, Dv] views: a head-strided z (the engine's, a slice of the in-projection) is read in place
+    x3, z3 = (t.unsqueeze(-2) if t.dim() == 2 else t.reshape(-1, *t.shape[-2:]) for t in (x, z))
+    _check("x", x3, x3.shape)
+    _check("z", z3, z3.shape)
+    H = x3.shape[1]
+    R = x3.shape[0] * H
+    out = torch.empty((R, Dv), dtype=x.dtype, device=x.device)
     block_r = 4 if _interpreted() else 16
     _gated_rmsnorm_kernel[(triton.cdiv(R, block_r),)](
-        x2, z2, weight, out, R, eps, x2.stride(0), z2.stride(0), out.stride(0),
+        x3, z3, weight, out, R, H, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), out.stride(0),
         D=Dv, BLOCK_D=triton.next_power_of_2(Dv), BLOCK_R=block_r, INTERPRET=interpreting(), num_warps=4,
     )
     return out.view(x.shape)

@@ -94,9 +94,13 @@ def test_gated_delta_rule_padded_row_leaves_state(monkeypatch, D):
 def test_gated_rmsnorm(monkeypatch, D):
     poison_empty(monkeypatch)
     x = rnd(5, 4, D)
-    z = rnd(5, 8, D)[:, 4:]  # z may be a view
+    z = rnd(5, 8, D)[:, 4:]  # z may be a view, read in place (the engine's slice of the in-projection)
     w = rnd(D, scale=0.5)
-    assert rel_err(gated_rmsnorm(x, z.contiguous(), w, 1e-6), gated_rmsnorm_ref(x, z, w, 1e-6)) < 1e-2
+    ref = gated_rmsnorm_ref(x, z, w, 1e-6)
+    assert rel_err(gated_rmsnorm(x, z, w, 1e-6), ref) < 1e-2
+    assert torch.equal(gated_rmsnorm(x, z, w, 1e-6), gated_rmsnorm(x, z.contiguous(), w, 1e-6))
+    flat = gated_rmsnorm(x.reshape(20, D), z.reshape(20, D), w, 1e-6)  # 2-D rows
+    assert flat.shape == (20, D) and torch.equal(flat.view(5, 4, D), gated_rmsnorm(x, z, w, 1e-6))
     with pytest.raises(ValueError, match="z/weight"):
         gated_rmsnorm(x, z[:, :2], w, 1e-6)
 
