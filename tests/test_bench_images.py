@@ -198,6 +198,48 @@ def test_cli_usage_errors(tmp_path):
         ["bench", "images", "--workload", "images-1p", "--preset", "sam3", "--random", "--lock-images", "1"],
     )
     assert res.exit_code == 2 and "--lock-images must be >= 2" in res.output
+    res = CliRunner().invoke(
+        cli,
+        ["bench", "images", "--workload", "images-1p", "--preset", "tiny-sam3", "--random", "--device", "cpu",
+         "--breakdown"],
+    )  # fmt: skip
+    assert res.exit_code == 2 and "--breakdown profiles CUDA kernels" in res.output
+
+
+def test_breakdown_groups_the_image_paths_kernels():
+    """SDPA's kernels count as attention and cuDNN's implicit-GEMM convolutions as convolutions, though
+    their names hold "cutlass" and "gemm"; unknown names are "other"."""
+    from batchinfer.bench.breakdown import _group
+
+    names = {
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>": "attention (SDPA)",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention (SDPA)",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "gemm (cuBLAS)",
+        "_rope_kernel": "rope",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>": "layer norm",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>": "gelu",
+        "void at::native::upsample_bilinear2d_out_frame<c10::BFloat16>": "resize",
+        "sm90_xmma_fprop_implicit_gemm_bf16": "conv",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm (cuBLAS)",
+        "cudnn::engines_precompiled::nchwToNhwcKernel": "conv",
+        "mystery_kernel": "other",
+    }
+    assert {n: _group(n, bi.IMAGE_GROUPS) for n in names} == names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_breakdown_profiles_a_batch_on_cuda(state):
+    dev = torch.device("cuda")
+    model, _ = bi.build_models(state, TINY, dev, torch.bfloat16)
+    work = bi.image_workload("images-4p", workloads=SMALL)
+    doc = bi.image_breakdown(model, work.images, work.prompts, 0.5, 2, dev)
+    assert doc["images"] == 2
+    for part in ("backbone", "model"):
+        assert doc[part]["total_us"] > 0 and doc[part]["top_kernels"]
+        assert sum(doc[part]["groups"].values()) == pytest.approx(doc[part]["total_us"])
+    assert doc["model"]["total_us"] > doc["backbone"]["total_us"]
+    assert any("vision backbone" in line for line in bi.format_image_breakdown(doc))
 
 
 @pytest.mark.gpu

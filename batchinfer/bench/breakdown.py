@@ -27,7 +27,7 @@ GROUPS = (
     ("attention", r"attn|attention|decode_combine"),
     ("q/k norm + rope", r"qk_norm_rope"),
     ("deltanet conv", r"conv1d"),
-    ("deltanet rule", r"delta_rule|chunk_prep|chunk_state"),
+    ("deltanet rule", r"delta_rule|_chunk_(prep|state|out)_kernel"),
     ("gated rmsnorm", r"gated_rmsnorm"),
     ("add + rmsnorm", r"rmsnorm"),
     ("embedding", r"embedding"),
@@ -40,14 +40,16 @@ GROUPS = (
 TOP_KERNELS = 16  # kernels listed by name under each profile's groups
 
 
-def _group(name: str) -> str:
-    for group, pattern in GROUPS:
+def _group(name: str, groups: Sequence[tuple[str, str]]) -> str:
+    for group, pattern in groups:
         if re.search(pattern, name, re.IGNORECASE):
             return group
     return "other"
 
 
-def _profile(fn, repeats: int) -> dict[str, Any]:
+def profile_kernels(fn, repeats: int, groups: Sequence[tuple[str, str]] = GROUPS) -> dict[str, Any]:
+    """Device microseconds a call of `fn` by kernel-name group (`groups`: (group, pattern), first match
+    wins), the total, and the costliest kernels with their launches a call."""
     fn()  # compile and warm up outside the profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -60,14 +62,13 @@ def _profile(fn, repeats: int) -> dict[str, Any]:
         if us > 0:
             per_kernel[evt.key][0] += us
             per_kernel[evt.key][1] += evt.count / repeats
-    groups: dict[str, float] = defaultdict(float)
+    by_group: dict[str, float] = defaultdict(float)
     for name, (us, _) in per_kernel.items():
-        groups[_group(name)] += us
-    total = sum(groups.values())
+        by_group[_group(name, groups)] += us
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {
-        "total_us": total,
-        "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+        "total_us": sum(by_group.values()),
+        "groups": dict(sorted(by_group.items(), key=lambda kv: -kv[1])),
         "top_kernels": [{"kernel": k[:120], "us": us, "launches": n} for k, (us, n) in top],
     }
 
@@ -114,7 +115,7 @@ def breakdown(
         pos = torch.full((batch,), context, dtype=torch.int32, device=dev)
         rows = torch.arange(batch, dtype=torch.int32, device=dev)
         step = lambda ids=ids, pos=pos, rows=rows: model.decode(state, ids, pos, rows)  # noqa: E731
-        steps.append({"batch": batch, "context": context, **_profile(step, repeats)})
+        steps.append({"batch": batch, "context": context, **profile_kernels(step, repeats)})
         steps[-1]["graph_replay_us"] = _graph_replay_us(step)
 
     p_ids = torch.randint(10, vocab, (prompts * prompt_len,), device=dev, generator=g)
@@ -122,8 +123,18 @@ def breakdown(
     p_slots = torch.arange(prompts, dtype=torch.int32, device=dev)
     token_slots = p_slots.long().repeat_interleave(prompt_len)
     cu = torch.arange(0, prompts + 1, dtype=torch.int32, device=dev) * prompt_len
-    prefill = _profile(lambda: model.prefill(state, p_ids, p_pos, token_slots, cu, p_slots, prompt_len), 2)
+    pass_ = lambda: model.prefill(state, p_ids, p_pos, token_slots, cu, p_slots, prompt_len)  # noqa: E731
+    prefill = profile_kernels(pass_, 2)
     return {"decode_steps": steps, "prefill_pass": {"prompts": prompts, "prompt_len": prompt_len, **prefill}}
+
+
+def format_profile(title: str, d: dict[str, Any]) -> list[str]:
+    """One profile of `profile_kernels` as lines: its groups with their shares, then its top kernels."""
+    lines = [title]
+    for group, us in d["groups"].items():
+        lines.append(f"  {group:<20} {us:9.1f} us  {100 * us / d['total_us']:5.1f}%")
+    lines.append("  top kernels (us, launches):")
+    return lines + [f"    {k['us']:9.1f} us x{k['launches']:4.0f}  {k['kernel']}" for k in d["top_kernels"]]
 
 
 def format_breakdown(doc: dict[str, Any]) -> list[str]:
@@ -136,9 +147,5 @@ def format_breakdown(doc: dict[str, Any]) -> list[str]:
             else f"{d['prompts']} x {d['prompt_len']} tokens"
         )
         replay = f"; {d['graph_replay_us']:.0f} us a CUDA-graph replay" if "graph_replay_us" in d else ""
-        lines.append(f"{what} ({shape}): {d['total_us']:.0f} us of device time{replay}")
-        for group, us in d["groups"].items():
-            lines.append(f"  {group:<20} {us:9.1f} us  {100 * us / d['total_us']:5.1f}%")
-        lines.append("  top kernels (us, launches):")
-        lines += [f"    {k['us']:9.1f} us x{k['launches']:4.0f}  {k['kernel']}" for k in d["top_kernels"]]
+        lines += format_profile(f"{what} ({shape}): {d['total_us']:.0f} us of device time{replay}", d)
     return lines

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from batchinfer.bench.breakdown import format_profile, profile_kernels
 from batchinfer.bench.e2e import peak_memory
 from batchinfer.bench.workload_run import environment
 from batchinfer.bench.workloads import load_workloads
@@ -215,6 +216,50 @@ def time_model_only(
     return {"images": n, "model_images_per_s": n / t_model, "backbone_images_per_s": n / t_vit}
 
 
+# Kernel-name patterns of an image-path profile -> group, first match wins (SDPA's flash and
+# memory-efficient kernels, and cuDNN's implicit-GEMM convolutions, before the GEMMs their names resemble).
+IMAGE_GROUPS = (
+    ("attention (SDPA)", r"flash|fmha|attention"),
+    ("rope", r"rope"),
+    ("conv", r"conv|cudnn|fprop|implicit|winograd"),
+    ("gemm (cuBLAS)", r"gemm|sm90_xmma|cutlass|nvjet|cublas|matmul"),
+    ("layer norm", r"layer_norm|layernorm"),
+    ("gelu", r"gelu"),
+    ("softmax", r"softmax"),
+    ("resize", r"upsample|interpolate|bilinear|bicubic"),
+    ("copy / layout", r"copy|cat|transpose|permute|index|gather|pad"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce"),
+)
+
+
+def image_breakdown(
+    model: Sam3Model, images: Sequence[np.ndarray], prompts: Sequence[Sequence[str]], threshold: float,
+    batch: int, device: torch.device, repeats: int = 3,
+) -> dict[str, Any]:  # fmt: skip
+    """Where one batch's device time goes, per kernel group and top kernel: the vision backbone alone
+    (`encode_images`) and the whole model (`segment_pairs` on the decoded images)."""
+    if device.type != "cuda":
+        raise ConfigError("the per-kernel breakdown needs a CUDA device (it reads CUDA profiler events)")
+    tensors = [torch.from_numpy(img) for img in images[:batch]]
+    size = model.config.image_size
+    with torch.inference_mode():
+        pixels = torch.stack([preprocess_image(t.to(device), size) for t in tensors])
+        backbone = profile_kernels(lambda: model.encode_images(pixels), repeats, IMAGE_GROUPS)
+    whole = profile_kernels(
+        lambda: model.segment_pairs(tensors, prompts[:batch], threshold), repeats, IMAGE_GROUPS
+    )
+    return {"images": len(tensors), "backbone": backbone, "model": whole}
+
+
+def format_image_breakdown(doc: dict[str, Any]) -> list[str]:
+    n = doc["images"]
+    lines = []
+    for what, d in (("vision backbone", doc["backbone"]), ("whole model", doc["model"])):
+        title = f"{what}, a batch of {n} images: {d['total_us'] / 1e3:.1f} ms of device time, "
+        lines += format_profile(title + f"{d['total_us'] / 1e3 / n:.2f} ms an image", d)
+    return lines
+
+
 @dataclass(slots=True)
 class PairOutputs:
     """Every query of one (image, prompt) pair at the original size."""
@@ -351,11 +396,12 @@ def run_images_benchmark(
     model: Sam3Model, reference: Sam3Model, workload: ImageWorkload, device: torch.device, *,
     threshold: float = DEFAULT_SCORE_THRESHOLD, batch_size: int = 16, lock_images: int = 4,
     warmup_images: int | None = None, peer: Callable[[], Any] | None = None, peer_images: int | None = None,
-    info: dict[str, str] | None = None,
+    info: dict[str, str] | None = None, breakdown: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """The result document: our end-to-end figures, the lock, the time split, then the peer (built by
-    `peer()` only now, after our figures; its failure is recorded as `peer_error`). The warm-up runs
-    one batch of images (`warmup_images`, default `batch_size`) untimed first."""
+    """The result document: our end-to-end figures, the lock, the time split (with `breakdown`, also the
+    per-kernel profile of one batch), then the peer (built by `peer()` only now, after our figures; its
+    failure is recorded as `peer_error`). The warm-up runs one batch of images (`warmup_images`, default
+    `batch_size`) untimed first."""
     from batchinfer.sam3.fp8 import FP8Linear
 
     encoded = encode_png(workload.images)
@@ -400,6 +446,10 @@ def run_images_benchmark(
         "accuracy_lock": lock,
         "peer": None,
     }
+    if breakdown:
+        doc["breakdown"] = image_breakdown(
+            model, workload.images, workload.prompts, threshold, batch_size, device
+        )
     if peer is not None:
         try:
             found = _run_peer(peer(), model, workload, encoded, threshold, lock_images, peer_images, device)
@@ -459,4 +509,6 @@ def format_result(doc: dict[str, Any]) -> list[str]:
             f"{par['mean_mask_iou']:.4f} (min {par['min_mask_iou']:.4f}), |score diff| max "
             f"{par['score_abs_diff_max']:.2e}"
         )
+    if doc.get("breakdown"):
+        lines += format_image_breakdown(doc["breakdown"])
     return lines

@@ -457,6 +457,12 @@ def format_result(result: dict) -> list[str]:
 @click.option(
     "--lock-images", default=4, show_default=True, type=int, help="Images the accuracy lock and parity check."
 )
+@click.option(
+    "--breakdown",
+    is_flag=True,
+    help="Also profile one batch (CUDA only): device time per kernel group, the backbone alone and the "
+    "whole model.",
+)
 @click.option("--peer", type=click.Choice(["meta"]), help="Also run Meta's SAM 3 on the same images.")
 @click.option(
     "--peer-path",
@@ -488,6 +494,7 @@ def images(
     score_threshold: float,
     max_images: int | None,
     lock_images: int,
+    breakdown: bool,
     peer: str | None,
     peer_path: str,
     peer_images: int | None,
@@ -517,6 +524,8 @@ def images(
 
     work = image_workload(workload, max_images=max_images, workloads=load_workloads(workloads_file))
     dev = resolve_device(device)
+    if breakdown and dev.type != "cuda":
+        raise click.UsageError(f"--breakdown profiles CUDA kernels; --device {device} is not a GPU")
     run_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         dtype or ("fp32" if dev.type == "cpu" else "bf16")
     ]
@@ -541,7 +550,7 @@ def images(
 
     result = run_images_benchmark(
         model, reference, work, dev, threshold=score_threshold, batch_size=batch_size,
-        lock_images=lock_images, peer=meta, peer_images=peer_images, info=info,
+        lock_images=lock_images, peer=meta, peer_images=peer_images, info=info, breakdown=breakdown,
     )  # fmt: skip
     for line in format_result(result):
         click.echo(line)
