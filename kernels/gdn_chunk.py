@@ -11,18 +11,17 @@ Per chunk of BT tokens with inclusive log-decay cumsum G, the WY form of the del
 Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, or from their slot's state for
 later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Three launches, as in FLA:
 `_chunk_prep_kernel` does everything that depends on neither S nor the other chunks, for all chunks at once
-(Tm from the 16 x 16 diagonal blocks' inverses and a short Neumann series for the blocks below
-them, W = Tm (beta exp(G) K), U0 = Tm (beta V) and the decayed causal scores of Q K^T,
-kept in bf16 workspaces); `_chunk_state_kernel` walks each sequence's chunks in order (one program per
-(sequence, v-head, v-tile), the state in registers) and does only U = U0 - W S and the state update, writing
-U and the state entering each chunk (bf16); `_chunk_out_kernel` then computes every chunk's outputs at once,
-O = exp(G) (Q S) + scores U. Head dims that are not powers of two (the demo model's 48) run in tiles padded
-to the next one (at least 16, for the dots), zero-filled by masks that only padded shapes compile. Numerics:
-Tm and the state in fp32; the dots that apply Tm in tf32, the others with operands in the input dtype (bf16),
-all with fp32 accumulation;
-expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative. Under the Triton CPU interpreter (`INTERPRET`,
-set by the launcher) the dots take fp32 operands and the bf16 casts round to nearest explicitly, working
-around Triton 3.9's interpreter; compiled code is unchanged.
+(Tm from the 16 x 16 diagonal blocks' inverses and a short Neumann series for the blocks below them, W = Tm
+(beta exp(G) K), U0 = Tm (beta V), the decayed causal scores of Q K^T and the decayed keys of the state
+update, kept in bf16 workspaces); `_chunk_state_kernel` walks each sequence's chunks in order (one program per
+(sequence, v-head, v-tile), the state in registers) and does only U = U0 - W S and the state update, writing U
+and the state entering each chunk (bf16); `_chunk_out_kernel` then computes every chunk's outputs at once, O =
+exp(G) (Q S) + scores U. Head dims that are not powers of two (the demo model's 48) run in tiles padded to the
+next one (at least 16, for the dots), zero-filled by masks that only padded shapes compile. Numerics: Tm and
+the state in fp32; the dots that apply Tm in tf32, the others with operands in the input dtype (bf16), all
+with fp32 accumulation; expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative. Under the Triton CPU
+interpreter (`INTERPRET`, set by the launcher) the dots take fp32 operands and the bf16 casts round to nearest
+explicitly, working around Triton 3.9's interpreter; compiled code is unchanged.
 """
 
 from __future__ import annotations
@@ -162,7 +161,7 @@ def _inverse(Td, N, NB: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _chunk_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr, qk_ptr, g_ptr,  #
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr, kt_ptr, qk_ptr, g_ptr,  #
     HV_PER_K, q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
     stride_wt, stride_wh, stride_qkt, stride_qkh, stride_gt,  #
@@ -173,7 +172,9 @@ def _chunk_prep_kernel(
     the chunk's decayed causal scores [exp(G_t - G_s) q_t . k_s]_{s <= t} `[BT, BT]` (computed here
     once, not in each v-tile program of the sequential kernel) and its cumulative gates G (fp32 `[T, Hv]`:
     the sequential kernel loads 4 bytes a row, which cp.async pipelines, where recomputing them loaded
-    bf16 `a` synchronously in every chunk step, sm_90 SASS)."""
+    bf16 `a` synchronously in every chunk step, sm_90 SASS), and the keys of the state update, unit keys
+    times exp(G_last - G) (`[T, Hv, DK]`, where each step of each v-tile program of the sequential kernel
+    recomputed the keys' l2 norms)."""
     PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
     SUB: tl.constexpr = 16  # the diagonal blocks `_block_diag_inverse` inverts
     PARTS: tl.constexpr = 2 if BLOCK_K >= 32 else 1  # column slices of W and U0 (dots need N >= 16)
@@ -186,6 +187,11 @@ def _chunk_prep_kernel(
         kd = _scaled_cols(k_rows, t, ok, stride_kt, offs_k, k_ok, rk, PAD, INTERPRET)
         beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
         tl.store(g_ptr + t * stride_gt + h, G, mask=ok)
+        last = tl.sum(ok.to(tl.int32), axis=0) - 1  # the chunk's last real row
+        g_last = tl.sum(tl.where(rows == last, G, 0.0), axis=0)
+        k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
+        tl.store(kt_ptr + t[:, None] * stride_wt + h * stride_wh + offs_k[None, :], k_tail,
+                 mask=_tile_mask(ok, k_ok, PAD))
         lower = rows[:, None] > rows[None, :]
         A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
         A = A * _dot(kd, tl.trans(kd), INTERPRET)
@@ -218,10 +224,9 @@ def _chunk_prep_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    k_ptr, g_ptr, w_ptr, u_ptr, state_ptr, slot_ptr, cu_ptr, past_ptr,  #
+    kt_ptr, g_ptr, w_ptr, u_ptr, state_ptr, slot_ptr, cu_ptr, past_ptr,  #
     base_ptr, h_ptr, vn_ptr,  #
-    HV_PER_K,  #
-    stride_kt, stride_kh, stride_gt, stride_wt, stride_wh,  #
+    stride_gt, stride_wt, stride_wh,  #
     stride_hc, stride_hh, stride_hk, stride_ss, stride_sh, stride_sk,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr,  #
     CONTINUE: tl.constexpr, INTERPRET: tl.constexpr,  #
@@ -232,7 +237,6 @@ def _chunk_state_kernel(
     PAD: tl.constexpr = (BLOCK_K != DK) | (DV % BLOCK_V != 0)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    hk = h // HV_PER_K
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < DK
@@ -251,25 +255,28 @@ def _chunk_state_kernel(
                 S = tl.load(s0).to(tl.float32)
     h_ptrs = h_ptr + tl.load(base_ptr + seq).to(tl.int64) * stride_hc + h * stride_hh
     h_ptrs = h_ptrs + offs_k[:, None] * stride_hk + offs_v[None, :]
+    # G at each chunk's last real row (the prep launch's cumulative gates), loaded a chunk ahead: a scalar
+    # feeds no dot, so Triton's pipeliner would leave it a synchronous load in every step
+    g_last = tl.load(g_ptr + (tl.minimum(end, start + BT) - 1) * stride_gt + h, mask=start < end, other=0.0)
     for c0 in range(start, end, BT):
         t = c0 + rows
         ok = t < end
-        kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
-        G = tl.load(g_ptr + t * stride_gt + h, mask=ok, other=0.0)  # the prep launch's cumulative gates
-        g_last = tl.sum(tl.where(rows == tl.minimum(end - c0, BT) - 1, G, 0.0), axis=0)  # the last real row
+        nxt = c0 + BT
+        g_next = tl.load(g_ptr + (tl.minimum(end, nxt + BT) - 1) * stride_gt + h, mask=nxt < end, other=0.0)
         row_off = t[:, None] * stride_wt + h * stride_wh
         w = tl.load(w_ptr + row_off + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
+        k_tail = tl.load(kt_ptr + row_off + offs_k[None, :], mask=_tile_mask(ok, k_ok, PAD), other=0.0)
         u0 = tl.load(u_ptr + row_off + offs_v[None, :], mask=_tile_mask(ok, v_ok, PAD), other=0.0)
-        Sd = small_ops._to(S, kd.dtype, INTERPRET)
+        Sd = small_ops._to(S, w.dtype, INTERPRET)
         if PAD:
             tl.store(h_ptrs, Sd, mask=k_ok[:, None] & v_ok[None, :])
         else:
             tl.store(h_ptrs, Sd)
         h_ptrs += stride_hc
-        ud = small_ops._to(u0.to(tl.float32) - _dot(w, Sd, INTERPRET), kd.dtype, INTERPRET)  # [BT, BV]
+        ud = small_ops._to(u0.to(tl.float32) - _dot(w, Sd, INTERPRET), w.dtype, INTERPRET)  # [BT, BV]
         tl.store(vn_ptr + row_off + offs_v[None, :], ud, mask=_tile_mask(ok, v_ok, PAD))
-        k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
         S = S * tl.exp(g_last) + _dot(tl.trans(k_tail), ud, INTERPRET)
+        g_last = g_next
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     S = small_ops._to(S, state_ptr.dtype.element_ty, INTERPRET)
@@ -339,6 +346,7 @@ def chunk_gated_delta_rule(
     block_k = max(16, triton.next_power_of_2(Dk))  # tensor-core dots need K >= 16
     w = torch.empty((T, Hv, Dk), dtype=k.dtype, device=k.device)  # W, then U0 and U in the same layout
     u0 = torch.empty((T, Hv, Dv), dtype=k.dtype, device=k.device)
+    k_tail = torch.empty((T, Hv, Dk), dtype=k.dtype, device=k.device)  # unit keys x exp(G_last - G)
     qk = torch.empty((T, Hv, BT), dtype=k.dtype, device=k.device)  # each token's row of its chunk's scores
     chunks = torch.div(cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1, BT, rounding_mode="floor")
     base = (chunks.cumsum(0) - chunks).to(torch.int32)  # each sequence's first chunk (no host sync)
@@ -347,7 +355,7 @@ def chunk_gated_delta_rule(
     grid = (N, triton.cdiv(max(max_seqlen, 1), BT), Hv)
     gates = torch.empty((T, Hv), dtype=torch.float32, device=v.device)
     _chunk_prep_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, cu_seqlens, w, u0, qk, gates,
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, w, u0, k_tail, qk, gates,
         Hv // Hk, Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), w.stride(0), w.stride(1), qk.stride(0), qk.stride(1), gates.stride(0),
@@ -355,10 +363,9 @@ def chunk_gated_delta_rule(
         num_warps=cfg["prep_warps"],
     )
     _chunk_state_kernel[(N, Hv, triton.cdiv(Dv, BV))](
-        k, gates, w, u0, state, slot_ids, cu_seqlens, slot_ids if past is None else past,
+        k_tail, gates, w, u0, state, slot_ids, cu_seqlens, slot_ids if past is None else past,
         base, states, u,
-        Hv // Hk,
-        k.stride(0), k.stride(1), gates.stride(0), w.stride(0), w.stride(1),
+        gates.stride(0), w.stride(0), w.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         state.stride(0), state.stride(1), state.stride(2),
         DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, CONTINUE=past is not None,
