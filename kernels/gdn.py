@@ -223,7 +223,7 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
         raise ValueError(f"z/weight: expected z of shape {tuple(x.shape)} and weight ({Dv},), got "
                          f"{tuple(z.shape)} and {tuple(weight.shape)}")
     # as [T, H, Dv] views: a head-strided z (the engine's, a slice of the in-projection) is read in place
-    x3, z3 = (t.unsqueeze(-2) if t.dim() == 2 else t.reshape(-1, *t.shape[-2:]) for t in (x, z))
+    x3, z3 = (t.reshape(-1, 1, Dv) if t.dim() < 3 else t.reshape(-1, *t.shape[-2:]) for t in (x, z))
     _check("x", x3, x3.shape)
     _check("z", z3, z3.shape)
     H = x3.shape[1]

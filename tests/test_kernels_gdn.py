@@ -101,6 +101,7 @@ def test_gated_rmsnorm(monkeypatch, D):
     assert torch.equal(gated_rmsnorm(x, z, w, 1e-6), gated_rmsnorm(x, z.contiguous(), w, 1e-6))
     flat = gated_rmsnorm(x.reshape(20, D), z.reshape(20, D), w, 1e-6)  # 2-D rows
     assert flat.shape == (20, D) and torch.equal(flat.view(5, 4, D), gated_rmsnorm(x, z, w, 1e-6))
+    assert torch.equal(gated_rmsnorm(x[0, 0], z[0, 0], w, 1e-6), flat[0])  # one row
     with pytest.raises(ValueError, match="z/weight"):
         gated_rmsnorm(x, z[:, :2], w, 1e-6)
 
