@@ -103,14 +103,23 @@ def _conv1d_update_kernel(
     tl.store(out_ptr + b * stride_ob + offs_c, out, mask=c_ok)
 
 
+def _conv_configs() -> dict[str, int]:
+    """Tokens and channels a prefill program, and its warps (`tune_attn --parts conv` times others)."""
+    if _interpreted():
+        return {"BLOCK_T": 16, "BLOCK_C": 64, "num_warps": 4}
+    return {"BLOCK_T": 32, "BLOCK_C": 256, "num_warps": 4}
+
+
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     conv_state: torch.Tensor, slot_ids: torch.Tensor, past: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Prefill: `silu(depthwise causal conv(x))` per sequence of packed x `[T, C]` (weight `[C, K]`, no
     bias, zero left padding); returns `[T, C]` and writes each sequence's last K - 1 inputs into
     `conv_state[slot_ids[n]]` (`[slots, K - 1, C]`). With `past` (int32 `[N]`, chunked prefill), a
-    sequence with `past[n] > 0` continues its slot: the state holds the inputs before it."""
+    sequence with `past[n] > 0` continues its slot: the state holds the inputs before it. `config`
+    (tuner) overrides `_conv_configs()`."""
     T, C = x.shape
     _check("x", x, (T, C))
     K = weight.shape[-1]
@@ -125,12 +134,14 @@ def causal_conv1d(
         raise ValueError(f"conv_state: expected {x.dtype} like x to continue a chunked prefill, got "
                          f"{conv_state.dtype}")
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
-    block_t, block_c = (16, 64) if _interpreted() else (32, 256)
+    cfg = config or _conv_configs()
+    block_t, block_c = cfg["BLOCK_T"], cfg["BLOCK_C"]
     _conv1d_kernel[(triton.cdiv(max(max_seqlen, 1), block_t), N, triton.cdiv(C, block_c))](
         x, weight, cu_seqlens, slot_ids, slot_ids if past is None else past, conv_state, out,
         C,
         x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
         K=K, BLOCK_T=block_t, BLOCK_C=block_c, CONTINUE=past is not None, INTERPRET=interpreting(),
+        num_warps=cfg["num_warps"],
     )
     return out
 

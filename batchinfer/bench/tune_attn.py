@@ -2,7 +2,8 @@
 
 Run on the H200 (`python -m batchinfer.bench.tune_attn --out tune_attn.json`); winners go by hand into
 `_prefill_configs` / `_decode_configs` (kernels/attention.py), `_delta_rule_configs` (kernels/gdn.py) and
-`_chunk_configs` (kernels/gdn_chunk.py; `--parts gdn_chunk` times it alone).
+`_chunk_configs` (kernels/gdn_chunk.py; `--parts gdn_chunk` times it alone), `_conv_configs`
+(kernels/causal_conv1d.py, `--parts conv`).
 Every candidate is checked against a reference before it is timed, so a tile that miscompiles is
 reported, not picked.
 """
@@ -27,6 +28,7 @@ from batchinfer.kernels.attention import (
     decode_attention_ref,
     prefill_attention,
 )
+from batchinfer.kernels.causal_conv1d import _conv_configs, causal_conv1d
 from batchinfer.kernels.gdn import _delta_rule_configs, gated_delta_rule
 from batchinfer.kernels.gdn_chunk import _chunk_configs, chunk_gated_delta_rule
 
@@ -64,6 +66,9 @@ GDN_CHUNK = [
     ]
 ] + [(32, 32, 4, 8, 8), (32, 16, 4, 8, 8)]
 GDN_CHUNK_PASSES = [(1, 512), (16, 1024), (8, 2048)]  # sequences x tokens
+# The prefill conv1d: BLOCK_T, BLOCK_C, warps (sm_90 compile: 210 registers at the table's 32, 256 on 4
+# warps, 128 on 8; in an 8 x 2,048-token pass it moved its bytes at ~41% of copy bandwidth, session 13).
+CONV = [(32, 256, 8), (16, 256, 4), (16, 256, 8), (64, 256, 8), (32, 128, 4), (64, 128, 8), (16, 512, 8)]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -226,6 +231,27 @@ def sweep_gdn_chunk(dev: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
+def sweep_conv(dev: torch.device) -> list[dict[str, Any]]:
+    """The prefill conv1d's tiles on a 16 x 1,024-token pass of Qwen3.5's conv width (8,192 channels),
+    checked against the table's config."""
+    seqs, length, C = 16, 1024, 8192
+    T = seqs * length
+    x = torch.randn(T, C, device=dev, dtype=BF16)
+    weight = torch.randn(C, 4, device=dev, dtype=BF16)
+    cu = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
+    state = torch.empty(seqs, 3, C, device=dev, dtype=BF16)
+    slots = torch.arange(seqs, device=dev)
+    run = lambda c, i: causal_conv1d(x, weight, cu, length, state, slots, config=c)
+    ref = run(_conv_configs(), 0)
+    configs = [_conv_configs()] + [dict(BLOCK_T=bt, BLOCK_C=bc, num_warps=w) for bt, bc, w in CONV]
+    rows = _sweep(
+        f"conv1d prefill {seqs} x {length}", configs, run, lambda c: run(c, 0), ref, 1, {"tokens": T}
+    )
+    for row in rows:
+        row["tb_s"] = 2 * x.nbytes / row.get("us", math.nan) / 1e6
+    return rows
+
+
 def bf16_state_drift(dev: torch.device, batch: int = 32, steps: int = 512) -> dict[str, Any]:
     """Decode `steps` tokens from one prefilled state with fp32 and with bf16 state; the relative error
     of the bf16 path's outputs and state against the fp32 path's, at several depths."""
@@ -252,7 +278,7 @@ def bf16_state_drift(dev: torch.device, batch: int = 32, steps: int = 512) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="decode,gdn,gdn_chunk,drift,prefill")
+    ap.add_argument("--parts", default="decode,gdn,gdn_chunk,conv,drift,prefill")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dev = torch.device("cuda")
@@ -260,6 +286,7 @@ def main() -> None:
         "decode": sweep_decode,
         "gdn": sweep_gdn,
         "gdn_chunk": sweep_gdn_chunk,
+        "conv": sweep_conv,
         "drift": bf16_state_drift,
         "prefill": sweep_prefill,
     }
