@@ -41,6 +41,7 @@ from batchinfer.kernels.nvfp4_gemm import (
     num_sms,
     split_k_locks,
     store_gemv_split,
+    store_split_tile,
 )
 
 
@@ -114,19 +115,8 @@ def _fp8_gemm_kernel(
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
-        tl.debug_barrier()
-        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in range(SPLIT_K):
-                total += tl.load(ws_ptrs + i * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(lock_ptr + pid, 0)
+    ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+    store_split_tile(acc, out_ptrs, ws_ptrs, mask, lock_ptr, pid, pid_k, M * N, SPLIT_K)
 
 
 @triton.jit

@@ -300,23 +300,30 @@ def _nvfp4_gemm_kernel(
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # Serial split-K: publish this split's partial, then the last CTA of the tile reduces.
-        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
-        tl.debug_barrier()
-        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in range(SPLIT_K):
-                total += tl.load(ws_ptrs + i * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(lock_ptr + pid, 0)
+    ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+    store_split_tile(acc, out_ptrs, ws_ptrs, mask, lock_ptr, pid, pid_k, M * N, SPLIT_K)
 
 
 _LOCKS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+@triton.jit
+def store_split_tile(acc, out_ptrs, ws_ptrs, mask, lock_ptr, tile, split, MN, SPLIT_K: tl.constexpr):
+    """The end of a split-K GEMM program: with one split store `acc` at `out_ptrs`; else publish it in the
+    fp32 workspace (`ws_ptrs` of split 0, splits MN elements apart) and let the tile's last split to arrive
+    (its counter at `lock_ptr + tile`) sum the partials in split order, store them and reset the counter."""
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptrs + split * MN, acc, mask=mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for i in range(SPLIT_K):
+                total += tl.load(ws_ptrs + i * MN, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + tile, 0)
 
 
 @triton.jit
