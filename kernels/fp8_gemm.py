@@ -193,6 +193,18 @@ def stack_fp8(weights: Sequence[FP8Weight], tail: Sequence[torch.Tensor] = ()) -
     return FP8Rows(data, scale, rows)
 
 
+def check_fp8_rows(w: FP8Rows, device: torch.device) -> None:
+    """`w` as `stack_fp8` makes it, on `device`."""
+    k = w.data.shape[1]
+    if w.data.stride(-1) != 1 or w.scale.shape != (w.data.shape[0],) or device != w.data.device:
+        raise ValueError("weight: expected FP8Rows as stack_fp8 makes them (unit-stride rows, a scale per "
+                         "row), on x's device")
+    t = w.tail
+    if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape[1] != k):
+        raise ValueError(f"weight: expected a contiguous bfloat16 tail [rows, {k}], got {t.dtype} "
+                         f"{list(t.shape)}")
+
+
 def fp8_gemv_config() -> GemvConfig:
     """One-row FP8 launch (BLOCK_G: 16 columns of K a group): session 10's (16 rows, 256 columns)."""
     return GemvConfig(16, 2, 4) if interpreting() else GemvConfig(16, 16, 4)
@@ -228,13 +240,7 @@ def fp8_gemv(
     k = w.data.shape[1]
     if x.shape != (1, k) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
-    if w.data.stride(-1) != 1 or w.scale.shape != (w.data.shape[0],) or x.device != w.data.device:
-        raise ValueError("weight: expected FP8Rows as stack_fp8 makes them (unit-stride rows, a scale per "
-                         "row), on x's device")
-    t = w.tail
-    if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape[1] != k):
-        raise ValueError(f"weight: expected a contiguous bfloat16 tail [rows, {k}], got {t.dtype} "
-                         f"{list(t.shape)}")
+    check_fp8_rows(w, x.device)
     out = check_gemm_out(out, 1, w.rows, x.device)
     _fp8_gemv(x, w, out, config)
     return out

@@ -53,6 +53,10 @@ def test_collect_cases_covers_ops_models_and_m():
     assert moe[0].target == Target("bandwidth", 0.60) and moe[1].target is None
     lin = {c.m: c.target for c in cases if c.op == "nvfp4_gemm" and c.shape.startswith("q_proj")}
     assert lin[1] == Target("bandwidth", 0.70) and lin[4096] == Target("baseline:cublas_bf16", 0.70)
+    rows_mm = collect_cases(["qwen3.6"], ms=(1, 8, 32, 128))  # decode batches of 2-64 only, FP8 shapes only
+    assert {c.m for c in rows_mm if c.op == "fp8_rows_mm"} == {8, 32}
+    shapes = {op: {c.shape for c in rows_mm if c.op == op} for op in ("fp8_rows_mm", "fp8_gemm")}
+    assert shapes["fp8_rows_mm"] == shapes["fp8_gemm"]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
-from batchinfer.kernels.fp8_gemm import fp8_gemm
+from batchinfer.kernels.fp8_gemm import fp8_gemm, stack_fp8
+from batchinfer.kernels.fp8_rows_mm import ROWS_MM_MAX_M, fp8_rows_mm
 from batchinfer.kernels.moe import fused_moe, moe_experts_ref, moe_route, moe_route_ref
 from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
@@ -63,7 +64,9 @@ def _scaled_mm_w8a8(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor) -
     return torch._scaled_mm(xq, w_t, scale_a=scale, scale_b=w_scale, out_dtype=torch.bfloat16)
 
 
-def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device) -> Timed:
+def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device, rows_mm: bool = False) -> Timed:
+    """One linear at (m, n, k); `rows_mm`: FP8 as `fp8_rows_mm` on the weight stacked as the engine stacks
+    it, `fp8_gemm` (the tile kernel) then among the baselines."""
     w_bytes = n * k // 2 + n * k // 16 if kind == "nvfp4" else n * k
     io_bytes = 2 * m * (k + n)
     sets = rotating_sets(w_bytes + io_bytes)
@@ -80,6 +83,10 @@ def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device) -> Ti
         rows = [stack_nvfp4([w]) for w in ws]
         baselines["gemv_checkpoint_layout"] = run
         run = lambda i: nvfp4_gemv(xs[i], rows[i], out=outs[i])  # noqa: E731
+    if rows_mm:
+        stacked = [stack_fp8([w]) for w in ws]
+        baselines["fp8_gemm"] = run
+        run = lambda i: fp8_rows_mm(xs[i], stacked[i], out=outs[i])  # noqa: E731
     if kind == "fp8" and m >= 16:
         w_t = ws[0].data.t()
         baselines["scaled_mm_w8a8"] = lambda i: _scaled_mm_w8a8(xs[i], w_t, ws[0].scale)
@@ -118,6 +125,9 @@ def linear_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[Ke
                 m,
                 lambda dev, m=m, n=n, k=k: _linear_timed("fp8", m, n, k, dev),
             )
+        for m in (m for m in ms if 1 < m <= ROWS_MM_MAX_M):  # decode batches: against cuBLAS on bf16
+            build = lambda dev, m=m, n=n, k=k: _linear_timed("fp8", m, n, k, dev, rows_mm=True)
+            yield KernelCase("fp8_rows_mm", model, f"{name} N={n} K={k}", m, build, _linear_target(m))
 
 
 def moe_layer(cfg: ModelConfig, device: torch.device) -> MoEWeights:

@@ -34,6 +34,7 @@ from batchinfer.kernels import (
     attention,
     causal_conv1d,
     fp8_gemm,
+    fp8_rows_mm,
     gdn,
     gdn_chunk,
     kv_cache,
@@ -49,8 +50,8 @@ from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import quantize_fp8, quantize_nvfp4
 
 # fmt: off
-_MODULES = (attention, causal_conv1d, fp8_gemm, gdn, gdn_chunk, kv_cache, moe, moe_align, moe_tc,
-            nvfp4_gemm, qk_norm_rope, sampling, small_ops)
+_MODULES = (attention, causal_conv1d, fp8_gemm, fp8_rows_mm, gdn, gdn_chunk, kv_cache, moe, moe_align,
+            moe_tc, nvfp4_gemm, qk_norm_rope, sampling, small_ops)
 # fmt: on
 
 _PTR_TYPES = {
@@ -325,6 +326,12 @@ def _fp8_gemv_launches() -> Iterator[tuple]:
     yield "N=2048 K=4096 M=1", fp8_gemm._fp8_gemv_kernel, split_k
     rows = fp8_gemm.stack_fp8([quantize_fp8(torch.randn(12288, 2048) * 0.02)], [_t(64, 2048)])  # qkv|z, b|a
     yield "N=12288+64 bf16 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemv(x, rows)
+    x32 = _t(32, 2048)  # a decode batch of 32 on the same stack
+    yield (
+        "N=12288+64 bf16 K=2048 M=32",
+        fp8_rows_mm._fp8_rows_mm_kernel,
+        lambda: fp8_rows_mm.fp8_rows_mm(x32, rows),
+    )
 
 
 def _nvfp4_gemv_launches() -> Iterator[tuple]:
