@@ -1,14 +1,14 @@
 """FP8 W8A16 linear for a few rows (2-64: decode batches) on stacked checkpoint weights (`FP8Rows`).
 
-Why: from two rows up the engine ran its FP8 projections on cuBLAS over bf16 copies of the weights, twice
-the bytes of the checkpoint's, because the tile kernel `_fp8_gemm_kernel` (x as the MMA's A operand, the
-decoded weight as B) routes every decoded weight tile through shared memory, and at M = 32 moved 0.77
-TB/s (session 4) against cuBLAS bf16's ~3. Here the product runs swapped, out^T = W x^T: the weight tile,
-decoded in registers (E4M3 -> bf16 is exact), is the wgmma's register operand (A, 64 rows a warpgroup),
-and the few rows of x are its N, loaded to shared memory as `x^T` tiles. The rows of `FP8Rows` keep a
-scale each (stacked tensors), and its bf16 tail rows (DeltaNet's b|a) run in the same launch, a tile that
-straddles the boundary running both loops. K is a constexpr, so every split's K loop runs at least once:
-no zero-trip path defines the accumulator, which makes ptxas serialize wgmmas (`sm90_report`).
+Why: from two rows up the engine ran its FP8 projections on cuBLAS over bf16 copies of the weights, twice the
+bytes of the checkpoint's, because the tile kernel `_fp8_gemm_kernel` (x as the MMA's A operand, the decoded
+weight as B) routes every decoded weight tile through shared memory, and at M = 32 moved 0.77 TB/s (session 4)
+against cuBLAS bf16's ~3. Here the product runs swapped, out^T = W x^T: the weight tile, decoded in registers
+(E4M3 -> bf16 is exact), is the wgmma's register operand (A, 64 rows a warpgroup), and the few rows of x are
+its N (`_dot_nt`: x tiles loaded row-major, transposed in shared memory). The rows of `FP8Rows` keep a scale
+each (stacked tensors), and its bf16 tail rows (DeltaNet's b|a) run in the same launch, a tile that straddles
+the boundary running both loops. K is a constexpr, so every split's K loop runs at least once: no zero-trip
+path defines the accumulator, which makes ptxas serialize wgmmas (`sm90_report`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels.fp8_gemm import FP8Rows, check_fp8_rows
 from batchinfer.kernels.nvfp4_gemm import (
+    _dot_nt,
     check_gemm_out,
     choose_split_k,
     interpreting,
@@ -48,15 +49,6 @@ def fp8_rows_mm_config() -> RowsMMConfig:
 
 
 @triton.jit
-def _dot(a, b, acc, F32_DOT: tl.constexpr):
-    if F32_DOT:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw bits
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        out = tl.dot(a, b, acc)
-    return out
-
-
-@triton.jit
 def _fp8_rows_mm_kernel(
     x_ptr, w_ptr, scale_ptr, tail_ptr, out_ptr, ws_ptr, lock_ptr,  #
     M, N, N_TAIL, stride_xm, stride_wn, stride_om,  #
@@ -73,16 +65,16 @@ def _fp8_rows_mm_kernel(
     mask_m = offs_m < M
     K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
-    xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tiles [BLOCK_K, BLOCK_M]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # x tiles [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if pid_n * BLOCK_N < N:
         mask_w = rows < N
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
         for i in range(K_SPLIT // BLOCK_K):
             mask_k = offs_k + i * BLOCK_K < K
-            xt = tl.load(xt_ptrs + i * BLOCK_K, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            x = tl.load(x_ptrs + i * BLOCK_K, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             b = tl.load(w_ptrs + i * BLOCK_K, mask=mask_w[:, None] & mask_k[None, :], other=0)
-            acc = _dot(b.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), xt, acc, F32_DOT)
+            acc = _dot_nt(b.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), x, acc, F32_DOT)
     n_out = N
     if HAS_TAIL:
         n_out = N + N_TAIL
@@ -91,9 +83,9 @@ def _fp8_rows_mm_kernel(
             t_ptrs = tail_ptr + (rows - N)[:, None] * K + offs_k[None, :]
             for i in range(K_SPLIT // BLOCK_K):
                 mask_k = offs_k + i * BLOCK_K < K
-                xt = tl.load(xt_ptrs + i * BLOCK_K, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+                x = tl.load(x_ptrs + i * BLOCK_K, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 t = tl.load(t_ptrs + i * BLOCK_K, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-                acc = _dot(t, xt, acc, F32_DOT)
+                acc = _dot_nt(t, x, acc, F32_DOT)
     acc = acc * tl.load(scale_ptr + rows, mask=rows < N, other=1.0)[:, None]
     mask = (rows < n_out)[:, None] & mask_m[None, :]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + rows[:, None]
@@ -108,12 +100,12 @@ def fp8_rows_mm(
     `W [N, K]` transposed -> `[M, N]` bf16 with fp32 accumulation, reading the checkpoint's FP8 bytes.
     `out` may be a view with unit column stride; `config` overrides the launch (tuner)."""
     k = w.data.shape[1]
-    m = x.shape[0]
-    if x.dim() != 2 or not 1 <= m <= ROWS_MM_MAX_M or x.shape[1] != k or x.dtype != torch.bfloat16 \
+    if x.dim() != 2 or not 1 <= x.shape[0] <= ROWS_MM_MAX_M or x.shape[1] != k or x.dtype != torch.bfloat16 \
             or x.stride(-1) != 1:
         raise ValueError(f"x: expected bfloat16 [M, {k}] with 1 <= M <= {ROWS_MM_MAX_M} and unit column "
                          f"stride, got {x.dtype} {list(x.shape)} strides {x.stride()}")
     check_fp8_rows(w, x.device)
+    m = x.shape[0]
     out = check_gemm_out(out, m, w.rows, x.device)
     n = w.data.shape[0]
     n_tail = w.rows - n
