@@ -90,7 +90,7 @@ def _sweep(
         try:
             err = _rel(check(cfg), ref)
             ok = err < 2e-2
-            sec = time_per_call(lambda i, c=cfg: run(c, i), sets, budget_s=0.05)[0] if ok else math.nan
+            sec = time_per_call(lambda i, c=cfg: run(c, i), sets, budget_s=0.05) if ok else math.nan
         except Exception as e:  # a tile that does not fit (shared memory, registers) is reported and skipped
             rows.append({"case": name, "config": cfg, "error": str(e).splitlines()[0][:160], **extra})
             continue
