@@ -74,13 +74,14 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B, L, D] (L = side * side tokens of one window or the whole grid)."""
         b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # [B, H, L, Dh]
-        if q.is_cuda:  # one fused pass instead of ~10 (the largest memory traffic of the backbone)
+        qkv = self.qkv(x).view(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # [3, B, H, L, Dh]
+        v = qkv[2]
+        if qkv.is_cuda:  # one fused pass instead of ~10 (the largest memory traffic of the backbone)
             from batchinfer.sam3.rope_triton import apply_rope_triton
 
-            q, k = apply_rope_triton(q, cos, sin), apply_rope_triton(k, cos, sin)
+            q, k = apply_rope_triton(qkv[:2], cos, sin)
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, n, d))
 
