@@ -34,14 +34,17 @@ from batchinfer.kernels.gdn import _check_past, _interpreted
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
-def _chunk_configs() -> dict[str, int]:
-    """Chunk, v-tile and warps of the three launches, from the sm_90 compile report
-    (`python -m batchinfer.bench.sm90_report`): 64-token chunks keep wgmma (M = 64); all fit 8 warps
-    without spills. Timed on the H200 only in the earlier two-launch form (outputs on the sequential
-    path): 1.6 ms for 4,096 tokens of Qwen3.6 heads (docs/PERF.md)."""
+def _chunk_configs(seqs: int = 1) -> dict[str, int]:
+    """Chunk, v-tile and warps of the three launches for a pass of `seqs` sequences. 64-token chunks keep
+    wgmma (M = 64). Tuned on the H200 (`tune_attn --parts gdn_chunk`, docs/PERF.md session 14): 64-wide
+    v-tiles on 4 warps once the sequential launch (seqs x 32 heads x 128 / BLOCK_V programs) fills the
+    SMs anyway (8 x 2,048 tokens: 2,461 -> 1,681 us a layer against 16-wide tiles); one sequence (a
+    512-token prompt) keeps more programs with 32-wide tiles on 8 warps (78.6 -> 72.0 us)."""
     if _interpreted():
         return {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "prep_warps": 4, "out_warps": 4}
-    return {"BT": 64, "BLOCK_V": 16, "num_warps": 8, "prep_warps": 8, "out_warps": 8}
+    if seqs < 4:
+        return {"BT": 64, "BLOCK_V": 32, "num_warps": 8, "prep_warps": 8, "out_warps": 8}
+    return {"BT": 64, "BLOCK_V": 64, "num_warps": 4, "prep_warps": 8, "out_warps": 8}
 
 
 @triton.jit
@@ -341,7 +344,7 @@ def chunk_gated_delta_rule(
         raise ValueError(f"expected Hv % Hk == 0, Dk == Dv, int32 cu_seqlens and slot_ids [{N}]; got "
                          f"Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}, {cu_seqlens.dtype}, {tuple(slot_ids.shape)}")
     _check_past(past, N)
-    cfg = dict(config or _chunk_configs())
+    cfg = dict(config or _chunk_configs(N))
     BT, BV = cfg["BT"], cfg["BLOCK_V"]
     block_k = max(16, triton.next_power_of_2(Dk))  # tensor-core dots need K >= 16
     w = torch.empty((T, Hv, Dk), dtype=k.dtype, device=k.device)  # W, then U0 and U in the same layout

@@ -63,6 +63,9 @@ GDN_CHUNK = [
         (64, 4, 8, 8),
         (16, 8, 4, 8),
         (16, 8, 8, 4),
+        (64, 4, 4, 8),
+        (128, 4, 8, 8),
+        (128, 8, 8, 8),
     ]
 ] + [(32, 32, 4, 8, 8), (32, 16, 4, 8, 8)]
 GDN_CHUNK_PASSES = [(1, 512), (16, 1024), (8, 2048)]  # sequences x tokens
@@ -216,7 +219,7 @@ def _gdn_chunk_point(dev: torch.device, seqs: int, length: int) -> list[dict[str
     chunk = lambda c, i: chunk_gated_delta_rule(
         q, k, v, a, b, A_log, dt_bias, state, slots, cu, length, config=c
     )
-    configs = [_chunk_configs()] + [
+    configs = [_chunk_configs(seqs)] + [
         dict(BT=bt, BLOCK_V=bv, num_warps=w, prep_warps=pw, out_warps=ow) for bt, bv, w, pw, ow in GDN_CHUNK
     ]
     name = f"gdn chunked prefill {seqs} x {length}"
