@@ -22,12 +22,14 @@ def test_matches_the_pytorch_rope_on_the_qkv_view(dtype, tol, heads, side, head_
         assert err < tol, err
 
 
-def test_rejects_mismatched_tables():
-    x = torch.randn(2, 1, 2, 16, 8, device=DEV)
+def test_rejects_mismatched_tables_and_layouts():
+    qk = torch.randn(1, 16, 2 * 2 * 8, device=DEV).view(1, 16, 2, 2, 8).permute(2, 0, 3, 1, 4)  # [2,1,2,16,8]
     cos, sin = axial_rope(8, 4, 1.0, torch.device(DEV))
-    with pytest.raises(ValueError, match="rope: qk"):
-        apply_rope_triton(x[..., ::2], cos, sin)
-    with pytest.raises(ValueError, match="rope: qk"):
-        apply_rope_triton(x[0], cos, sin)
     with pytest.raises(ValueError, match="tables"):
-        apply_rope_triton(x, cos[:8], sin[:8])
+        apply_rope_triton(qk, cos[:8], sin[:8])
+    with pytest.raises(ValueError, match="rope: qk"):
+        apply_rope_triton(qk[0], cos, sin)
+    with pytest.raises(ValueError, match="head stride Dh"):  # heads not contiguous within a token
+        apply_rope_triton(qk.contiguous(), cos, sin)
+    with pytest.raises(ValueError, match="unit last stride"):
+        apply_rope_triton(torch.randn(2, 1, 2, 16, 16, device=DEV)[..., ::2], cos, sin)
