@@ -57,8 +57,9 @@ class Task:
     # job-level row checks before any work (ids, required values); raise InputError
     check_rows: Callable[[Sequence[InputFile], pa.DataType], None]
     read_columns: Callable[[Sequence[str]], list[str]]
-    # the chunk's output table and its counts: errors, skipped, prompt_tokens, output_tokens (+ extras)
-    process: Callable[[Chunk], tuple[pa.Table, dict[str, int]]]
+    # the chunk's output table and its counts: errors, skipped, prompt_tokens, output_tokens (+ extras,
+    # such as the image task's instances and seconds inside the engine)
+    process: Callable[[Chunk], tuple[pa.Table, dict[str, float]]]
     # key-value metadata on every output file, besides the shared keys
     metadata: Callable[[Plan], dict[str, str]]
     outcome_sql: str  # SQL expression: an output row's outcome (error and skipped are retried)

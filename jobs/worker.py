@@ -218,7 +218,7 @@ def _process_chunk(
         job.base_meta = file_metadata(job.plan, job.engine)
     commit.write_parquet_atomic(path, out, {**job.base_meta, CHUNK_META: json.dumps(stats)})
     log.info(
-        "shard %05d attempt %d chunk %d committed: %d rows (%d errors, %d skipped), %d %s in %.2f s",
+        "shard %05d attempt %d chunk %d committed: %d rows (%d errors, %d skipped), %d %s in %.2f s%s",
         shard,
         attempt,
         chunk,
@@ -228,10 +228,20 @@ def _process_chunk(
         stats.get("instances", stats["output_tokens"]),
         "instances" if "instances" in stats else "tokens",
         stats["seconds"],
+        _pipeline_note(stats),
     )
     if job.progress:
         job.progress.chunk(stats)
     return stats
+
+
+def _pipeline_note(stats: dict[str, Any]) -> str:
+    """The image task's split of a chunk's time: a long decode wait means the CPU cannot feed the GPU."""
+    if "engine_seconds" not in stats:
+        return ""
+    return (
+        f" (engine {stats['engine_seconds']:.2f} s, waiting on decoding {stats['decode_wait_seconds']:.2f} s)"
+    )
 
 
 def file_metadata(plan: Plan, engine: TextEngine | ImageEngine) -> dict[str, str]:

@@ -88,6 +88,9 @@ def test_end_to_end_rows_and_figures(models, tmp_path):
     first = table.slice(0, 1).to_pylist()[0]
     assert (first["height"], first["width"], first["prompt"]) == (40, 70, "person")
     assert first["mask_rle"] and first["error"] is None
+    p = fig["pipeline"]  # the engine thread's split: every part measured, none past the wall time
+    assert 0 < p["engine_s"] < fig["wall_s"] and 0 <= p["decode_wait_s"] < fig["wall_s"]
+    assert 0 <= p["encode_wait_s"] < fig["wall_s"]
 
 
 def test_lock_passes_for_bf16_and_names_its_measures(models):
@@ -127,7 +130,10 @@ def test_benchmark_document_and_failing_peer(models):
     assert doc["results"]["images"] == 3 and doc["accuracy_lock"]["passed"]
     assert doc["peer"] is None and doc["peer_error"] == "ImportError: no sam3 here"
     assert doc["time_split"]["model_images_per_s"] > 0
-    assert any("accuracy lock passed" in line for line in bi.format_result(doc))
+    assert doc["results"]["decode_only"]["images"] == 3 and doc["results"]["decode_only"]["images_per_s"] > 0
+    lines = bi.format_result(doc)
+    assert any("accuracy lock passed" in line for line in lines)
+    assert any(line.startswith("  pipeline: engine ") and "CPU decode alone" in line for line in lines)
 
 
 def test_box_matching_and_parity_report():

@@ -91,7 +91,10 @@ def test_metadata_and_plain_duckdb_over_masks(tmp_path):
     assert json.loads(meta["batchinfer.prompts"]) == ["red", "blue", "green"]
     assert meta["batchinfer.schema"] == "mask_output/1" and meta["batchinfer.plan_id"] == plan.plan_id
     assert json.loads(meta["batchinfer.engine"])["engine"] == "color-shapes"
-    assert json.loads(meta["batchinfer.chunk"])["instances"] == 4 + 3  # red 1+2+1, blue 3
+    chunk = json.loads(meta["batchinfer.chunk"])
+    assert chunk["instances"] == 4 + 3  # red 1+2+1, blue 3
+    assert 0 < chunk["engine_seconds"] <= chunk["seconds"]
+    assert 0 <= chunk["decode_wait_seconds"] <= chunk["seconds"]
     found = duckdb.sql(f"""
         SELECT prompt, count(instance) AS n, sum(area) FILTER (WHERE id LIKE '%.png') AS png_px,
                count(*) FILTER (WHERE instance IS NULL) AS none

@@ -41,7 +41,7 @@ from batchinfer.bench.e2e import peak_memory
 from batchinfer.bench.workload_run import environment
 from batchinfer.bench.workloads import load_workloads
 from batchinfer.errors import BatchinferError, ConfigError
-from batchinfer.images import task
+from batchinfer.images import decode, task
 from batchinfer.images.segmenter import SegmenterEngine
 from batchinfer.sam3.decoder import box_cxcywh_to_xyxy
 from batchinfer.sam3.model import Sam3Model
@@ -157,11 +157,27 @@ def run_end_to_end(
     _sync(device)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(task.DECODE_WORKERS, thread_name_prefix="decode") as pool:
-        task._pipeline(engine, pool, list(encoded), [""] * n, [list(p) for p in prompts], threshold, rows)
+        times = task._pipeline(
+            engine, pool, list(encoded), [""] * n, [list(p) for p in prompts], threshold, rows
+        )
     write_rows(rows, out_path)
     _sync(device)
     wall = time.perf_counter() - t0
-    return _figures(rows, prompts, wall, out_path) | peak_memory(device)
+    pipeline = {"engine_s": times.engine_s, "decode_wait_s": times.decode_wait_s,
+                "encode_wait_s": times.encode_wait_s}  # fmt: skip
+    return _figures(rows, prompts, wall, out_path) | peak_memory(device) | {"pipeline": pipeline}
+
+
+def time_decode_only(encoded: Sequence[bytes]) -> dict[str, Any]:
+    """The CPU decode workers alone on the workload's images (no GPU): the rate the pipeline can feed."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(task.DECODE_WORKERS, thread_name_prefix="decode") as pool:
+        decoded = list(pool.map(lambda b: decode.load(b, "", None), encoded))
+    wall = time.perf_counter() - t0
+    errors = [d.error for d in decoded if d.error is not None]
+    if errors:
+        raise BatchinferError(f"{len(errors)} image(s) failed to decode, first: {errors[0]}")
+    return {"images": len(encoded), "workers": task.DECODE_WORKERS, "images_per_s": len(encoded) / wall}
 
 
 def write_rows(rows: Sequence[list[dict[str, Any]] | None], out_path: Path) -> None:
@@ -422,6 +438,7 @@ def run_images_benchmark(
         figures = run_end_to_end(
             engine, encoded, workload.prompts, threshold, Path(tmp, "ours.parquet"), device
         )
+    figures["decode_only"] = time_decode_only(encoded)
     lock = accuracy_lock(model, reference, workload.images, workload.prompts, lock_images)
     if not lock["passed"]:
         raise ImageLockError(
@@ -477,6 +494,19 @@ def _run_peer(
     return {"engine": peer.describe(), "results": figures, "parity": parity}
 
 
+def _pipeline_lines(r: dict[str, Any]) -> list[str]:
+    """The end-to-end run's split on the engine's thread, and the CPU decode rate alone (older result
+    files lack both)."""
+    if "pipeline" not in r:
+        return []
+    p, dec = r["pipeline"], r["decode_only"]
+    return [
+        f"  pipeline: engine {p['engine_s']:.2f} s, waiting on decoding {p['decode_wait_s']:.2f} s, on the "
+        f"last masks {p['encode_wait_s']:.2f} s, of {r['wall_s']:.2f} s; CPU decode alone "
+        f"{dec['images_per_s']:.1f} images/s ({dec['workers']} threads, {dec['images']} images)"
+    ]
+
+
 def format_result(doc: dict[str, Any]) -> list[str]:
     r, lock, split = doc["results"], doc["accuracy_lock"], doc["time_split"]
     dev = ", ".join(f"{k}={v}" for k, v in doc["deviations"].items())
@@ -489,6 +519,7 @@ def format_result(doc: dict[str, Any]) -> list[str]:
         f"images/s, {r['pairs_per_s']:.1f} pairs/s, peak {r['peak_memory_bytes'] / 2**30:.2f} GiB",
         f"  model only {split['model_images_per_s']:.1f} images/s, backbone only "
         f"{split['backbone_images_per_s']:.1f} images/s ({split['images']} decoded images)",
+        *_pipeline_lines(r),
         f"  accuracy lock passed: {lock['pairs']} pairs, {lock['queries']} queries, mean mask IoU "
         f"{lock['mean_mask_iou']:.4f} (min {lock['min_mask_iou']:.4f}), |score diff| mean "
         f"{lock['score_abs_diff_mean']:.2e} max {lock['score_abs_diff_max']:.2e}, |box diff| mean "

@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +93,17 @@ def _engine(engine: Any) -> ImageEngine:
     return engine.get() if hasattr(engine, "get") else engine
 
 
-def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, int]]:
+@dataclass(slots=True)
+class PipelineTimes:
+    """Where the wall time of the thread that drives the engine went: blocked on decoded images, inside
+    the engine, blocked on the last masks' encoding. Decode waits mean the CPU cannot feed the GPU."""
+
+    decode_wait_s: float = 0.0
+    engine_s: float = 0.0
+    encode_wait_s: float = 0.0
+
+
+def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, float]]:
     engine = _engine(chunk.engine)
     table = chunk.table
     n = table.num_rows
@@ -112,10 +124,12 @@ def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, int]]:
     rows: list[list[dict[str, Any]] | None] = [None] * n
     pool = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="decode")
     try:
-        _pipeline(engine, pool, sources, bases, prompts, threshold, rows)
+        times = _pipeline(engine, pool, sources, bases, prompts, threshold, rows)
     finally:  # a dead engine: drop the decodes queued ahead instead of finishing them
         pool.shutdown(wait=True, cancel_futures=True)
-    return _table(chunk, rows)
+    out, counts = _table(chunk, rows)
+    timing = {"engine_seconds": times.engine_s, "decode_wait_seconds": times.decode_wait_s}
+    return out, {**counts, **{k: round(v, 4) for k, v in timing.items()}}
 
 
 def _pipeline(
@@ -126,8 +140,9 @@ def _pipeline(
     prompts: list[list[str]],
     threshold: float,
     rows: list[list[dict[str, Any]] | None],
-) -> None:
+) -> PipelineTimes:
     """Decode ahead on `pool`, segment batch by batch, encode each batch's masks on `pool`; fills `rows`."""
+    times = PipelineTimes()
     n = len(sources)
     decoding: dict[int, Future[decode.Decoded]] = {}
     encoding: list[tuple[int, Future[list[dict[str, Any]]]]] = []
@@ -141,7 +156,9 @@ def _pipeline(
             ahead += 1
         requests = []
         for i in range(lo, hi):
+            t0 = time.perf_counter()
             d = decoding.pop(i).result()
+            times.decode_wait_s += time.perf_counter() - t0
             if d.error is None and not prompts[i]:
                 d.error = "no prompts: the row's prompts are null or empty and the job has no --prompt"
             if d.error is not None:
@@ -149,15 +166,20 @@ def _pipeline(
             else:
                 requests.append(ImageRequest(i, d.image, d.height, d.width, prompts[i]))
         expected = {r.index: r for r in requests}
+        t0 = time.perf_counter()
         for result in engine.segment(requests, threshold) if requests else ():
             req = expected.pop(result.index, None)
             if req is None:
                 raise RuntimeError(f"engine returned an unknown or repeated result index {result.index}")
             encoding.append((result.index, pool.submit(_result_rows, result, req, threshold)))
+        times.engine_s += time.perf_counter() - t0
         if expected:
             raise RuntimeError(f"engine returned no result for {len(expected)} image(s) of the batch")
+    t0 = time.perf_counter()
     for i, fut in encoding:
         rows[i] = fut.result()
+    times.encode_wait_s = time.perf_counter() - t0
+    return times
 
 
 @functools.cache
@@ -201,7 +223,7 @@ def _result_rows(result: ImageResult, req: ImageRequest, threshold: float) -> li
     return out
 
 
-def _table(chunk: Chunk, rows: list[list[dict[str, Any]] | None]) -> tuple[pa.Table, dict[str, int]]:
+def _table(chunk: Chunk, rows: list[list[dict[str, Any]] | None]) -> tuple[pa.Table, dict[str, float]]:
     ids = chunk.table.column("id").to_pylist()
     source: list[int] = []  # input row (in the chunk) of each output row
     flat: list[dict[str, Any]] = []
