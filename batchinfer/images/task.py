@@ -159,57 +159,43 @@ def _pipeline(
 ) -> PipelineTimes:
     """Decode ahead on `decoder`, segment batch by batch, encode each batch's masks on `encoder`; fills
     `rows`. On an error, the decodes queued ahead are cancelled (the decoder outlives the chunk)."""
-    decoding: dict[int, Future[decode.Decoded]] = {}
-    try:
-        return _run_pipeline(engine, decoder, encoder, sources, bases, prompts, threshold, rows, decoding)
-    finally:
-        for fut in decoding.values():
-            fut.cancel()
-
-
-def _run_pipeline(
-    engine: ImageEngine,
-    decoder: Executor,
-    encoder: Executor,
-    sources: list[Any],
-    bases: list[str],
-    prompts: list[list[str]],
-    threshold: float,
-    rows: list[list[dict[str, Any]] | None],
-    decoding: dict[int, Future[decode.Decoded]],
-) -> PipelineTimes:
     times = PipelineTimes()
     n = len(sources)
+    decoding: dict[int, Future[decode.Decoded]] = {}
     encoding: list[tuple[int, Future[list[dict[str, Any]]]]] = []
     ahead = 0
     size = engine.input_size
     batch = max(1, int(engine.batch_size))
-    for lo in range(0, n, batch):
-        hi = min(lo + batch, n)
-        while ahead < min(n, hi + 2 * batch + DECODE_WORKERS):  # keep the workers busy, memory bounded
-            decoding[ahead] = decoder.submit(decode.load, sources[ahead], bases[ahead], size)
-            ahead += 1
-        requests = []
-        for i in range(lo, hi):
+    try:
+        for lo in range(0, n, batch):
+            hi = min(lo + batch, n)
+            while ahead < min(n, hi + 2 * batch + DECODE_WORKERS):  # keep the workers busy, memory bounded
+                decoding[ahead] = decoder.submit(decode.load, sources[ahead], bases[ahead], size)
+                ahead += 1
+            requests = []
+            for i in range(lo, hi):
+                t0 = time.perf_counter()
+                d = _decoded(decoding.pop(i), i, sources[i])
+                times.decode_wait_s += time.perf_counter() - t0
+                if d.error is None and not prompts[i]:
+                    d.error = "no prompts: the row's prompts are null or empty and the job has no --prompt"
+                if d.error is not None:
+                    rows[i] = [_error_row(d.error, d.height, d.width)]
+                else:
+                    requests.append(ImageRequest(i, d.image, d.height, d.width, prompts[i]))
+            expected = {r.index: r for r in requests}
             t0 = time.perf_counter()
-            d = _decoded(decoding.pop(i), i, sources[i])
-            times.decode_wait_s += time.perf_counter() - t0
-            if d.error is None and not prompts[i]:
-                d.error = "no prompts: the row's prompts are null or empty and the job has no --prompt"
-            if d.error is not None:
-                rows[i] = [_error_row(d.error, d.height, d.width)]
-            else:
-                requests.append(ImageRequest(i, d.image, d.height, d.width, prompts[i]))
-        expected = {r.index: r for r in requests}
-        t0 = time.perf_counter()
-        for result in engine.segment(requests, threshold) if requests else ():
-            req = expected.pop(result.index, None)
-            if req is None:
-                raise RuntimeError(f"engine returned an unknown or repeated result index {result.index}")
-            encoding.append((result.index, encoder.submit(_result_rows, result, req, threshold)))
-        times.engine_s += time.perf_counter() - t0
-        if expected:
-            raise RuntimeError(f"engine returned no result for {len(expected)} image(s) of the batch")
+            for result in engine.segment(requests, threshold) if requests else ():
+                req = expected.pop(result.index, None)
+                if req is None:
+                    raise RuntimeError(f"engine returned an unknown or repeated result index {result.index}")
+                encoding.append((result.index, encoder.submit(_result_rows, result, req, threshold)))
+            times.engine_s += time.perf_counter() - t0
+            if expected:
+                raise RuntimeError(f"engine returned no result for {len(expected)} image(s) of the batch")
+    finally:
+        for fut in decoding.values():
+            fut.cancel()
     t0 = time.perf_counter()
     for i, fut in encoding:
         rows[i] = fut.result()
