@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from batchinfer.errors import InputError
-from batchinfer.sam3.postprocess import preprocess_image, select_instances
+from batchinfer.sam3.postprocess import preprocess_image, select_instances, select_pairs
 
 
 def test_preprocess_normalises_to_minus_one_one():
@@ -79,3 +79,24 @@ def test_mask_at_original_non_square_size():
     mask = res.instances[0].mask
     assert mask.shape == (5, 20)
     assert mask[:, :10].all() and not mask[:, 10:].any()
+
+
+def test_pairs_at_once_match_pair_by_pair():
+    """Three pairs of different sizes, the middle one without instances: `select_pairs` returns what
+    `select_instances` gives each pair alone (scores, order, boxes, masks)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g) * 3
+    logits[1] = -8.0
+    presence = torch.tensor([2.0, 1.0, 0.5])
+    boxes = torch.rand(3, 6, 4, generator=g)
+    masks = torch.randn(3, 6, 4, 4, generator=g)
+    sizes = [(10, 12), (7, 7), (5, 9)]
+    together = select_pairs(logits, presence, boxes, masks, sizes, 0.3)
+    assert [len(r.instances) for r in together][1] == 0 and all(len(together[k].instances) for k in (0, 2))
+    for k, (h, w) in enumerate(sizes):
+        alone = select_instances(logits[k], presence[k], boxes[k], masks[k], h, w, 0.3)
+        assert together[k].presence == alone.presence
+        assert [i.score for i in together[k].instances] == [i.score for i in alone.instances]
+        assert [i.box_xyxy for i in together[k].instances] == [i.box_xyxy for i in alone.instances]
+        for a, b in zip(together[k].instances, alone.instances, strict=True):
+            assert a.mask.shape == (h, w) and torch.equal(a.mask, b.mask)

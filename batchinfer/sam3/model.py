@@ -23,7 +23,7 @@ from batchinfer.sam3.config import Sam3Config
 from batchinfer.sam3.decoder import Decoder
 from batchinfer.sam3.fusion import FusionEncoder, GeometryEncoder
 from batchinfer.sam3.heads import DotProductScoring, SegmentationHead
-from batchinfer.sam3.postprocess import preprocess_image, select_instances
+from batchinfer.sam3.postprocess import preprocess_image, select_pairs
 from batchinfer.sam3.text import TextEncoder
 from batchinfer.sam3.tokenizer import ClipTokenizer
 from batchinfer.sam3.vit import Neck, sine_position_2d
@@ -163,14 +163,12 @@ class Sam3Model(nn.Module):
             image_ids = torch.tensor([i for i, _ in chunk], device=device)
             text_ids = torch.tensor([index[p] for _, p in chunk], device=device)
             out = self.ground(fpn, image_ids, text[text_ids], text_mask[text_ids])
-            for k, (i, _) in enumerate(chunk):
-                h, w = images[i].shape[:2]
-                results[i].append(
-                    select_instances(
-                        out.logits[k], out.presence_logit[k], out.boxes[k], out.mask_logits[k], h, w,
-                        score_threshold,
-                    )
-                )  # fmt: skip
+            sizes = [(images[i].shape[0], images[i].shape[1]) for i, _ in chunk]
+            selected = select_pairs(
+                out.logits, out.presence_logit, out.boxes, out.mask_logits, sizes, score_threshold
+            )
+            for (i, _), pair in zip(chunk, selected, strict=True):
+                results[i].append(pair)
         return results
 
     def segment(

@@ -12,6 +12,8 @@ first (Meta keeps query order).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -40,24 +42,41 @@ def select_instances(
 ) -> PairResult:  # fmt: skip
     """One (image, prompt) pair: logits [Q], presence_logit scalar, boxes cxcywh [Q, 4] in [0, 1],
     mask_logits [Q, h, w] -> instances with score > score_threshold, best first, masks at H x W on CPU."""
+    pair = (logits[None], presence_logit.reshape(1), boxes[None], mask_logits[None])
+    return select_pairs(*pair, [(height, width)], score_threshold)[0]
+
+
+def select_pairs(
+    logits: Tensor, presence_logit: Tensor, boxes: Tensor, mask_logits: Tensor,
+    sizes: Sequence[tuple[int, int]], score_threshold: float,
+) -> list[PairResult]:  # fmt: skip
+    """`select_instances` for N pairs at once (logits [N, Q], presence_logit [N], boxes [N, Q, 4],
+    mask_logits [N, Q, h, w], sizes (H, W) a pair). Why: the scores and presences of all N pairs come to
+    the host in one copy, so a batch without detections costs one host sync instead of two a pair; only
+    pairs with instances upsample and copy masks."""
     presence = torch.sigmoid(presence_logit.float())
-    scores = torch.sigmoid(logits.float()) * presence
-    keep = torch.nonzero(scores > score_threshold).flatten()
-    keep = keep[torch.argsort(scores[keep], descending=True, stable=True)]
-    p = float(presence)
-    if keep.numel() == 0:
-        return PairResult(presence=p, instances=[])
-    scale = torch.tensor([width, height, width, height], dtype=torch.float32, device=boxes.device)
-    xyxy = box_cxcywh_to_xyxy(boxes[keep].float()) * scale
-    xyxy = torch.minimum(xyxy.clamp(min=0), scale)
-    masks = F.interpolate(
-        mask_logits[keep][:, None].float(), size=(height, width), mode="bilinear", align_corners=False
-    )
-    masks = (masks.sigmoid() > 0.5)[:, 0].cpu()
-    xyxy_list = xyxy.cpu().tolist()
-    score_list = scores[keep].cpu().tolist()
-    instances = [
-        Instance(score=s, presence=p, box_xyxy=tuple(b), mask=m)
-        for s, b, m in zip(score_list, xyxy_list, masks, strict=True)
-    ]
-    return PairResult(presence=p, instances=instances)
+    scores = torch.sigmoid(logits.float()) * presence[:, None]
+    host = torch.cat([presence[:, None], scores], dim=1).cpu()
+    results = []
+    for k, (height, width) in enumerate(sizes):
+        p, pair_scores = float(host[k, 0]), host[k, 1:]
+        keep = torch.nonzero(pair_scores > score_threshold).flatten()
+        if keep.numel() == 0:
+            results.append(PairResult(presence=p, instances=[]))
+            continue
+        keep = keep[torch.argsort(pair_scores[keep], descending=True, stable=True)]
+        on_device = keep.to(boxes.device)
+        scale = torch.tensor([width, height, width, height], dtype=torch.float32, device=boxes.device)
+        xyxy = box_cxcywh_to_xyxy(boxes[k, on_device].float()) * scale
+        xyxy = torch.minimum(xyxy.clamp(min=0), scale)
+        masks = F.interpolate(
+            mask_logits[k, on_device][:, None].float(), size=(height, width), mode="bilinear",
+            align_corners=False,
+        )  # fmt: skip
+        masks = (masks.sigmoid() > 0.5)[:, 0].cpu()
+        instances = [
+            Instance(score=s, presence=p, box_xyxy=tuple(b), mask=m)
+            for s, b, m in zip(pair_scores[keep].tolist(), xyxy.cpu().tolist(), masks, strict=True)
+        ]
+        results.append(PairResult(presence=p, instances=instances))
+    return results
