@@ -222,6 +222,7 @@ def test_breakdown_groups_the_image_paths_kernels():
         "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention (SDPA)",
         "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "gemm (cuBLAS)",
         "_rope_kernel": "rope",
+        "_ln_kernel": "layer norm",
         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>": "layer norm",
         "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>": "gelu",
         "void at::native::upsample_bilinear2d_out_frame<c10::BFloat16>": "resize",

@@ -241,7 +241,7 @@ IMAGE_GROUPS = (
     ("rope", r"rope"),
     ("conv", r"conv|cudnn|fprop|implicit|winograd"),
     ("gemm (cuBLAS)", r"gemm|sm90_xmma|cutlass|nvjet|cublas|matmul"),
-    ("layer norm", r"layer_norm|layernorm"),
+    ("layer norm", r"layer_norm|layernorm|_ln_kernel"),
     ("gelu", r"gelu"),
     ("softmax", r"softmax"),
     ("resize", r"upsample|interpolate|bilinear|bicubic"),

@@ -108,15 +108,32 @@ class Block(nn.Module):
         self.rope_scale = 1.0 if window else config.vit_window / config.grid
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [B, H, W, D]."""
+        """x [B, H, W, D]. On CUDA below fp32, the LayerNorms run fused with the window partitioning and
+        the residual add (`norm_triton`); the fp32 reference stays in PyTorch."""
+        if x.is_cuda and x.dtype != torch.float32:
+            return self.forward_fused(x)
+        return self.forward_torch(x)
+
+    def _rope(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return axial_rope(self.head_dim, self.window or x.shape[1], self.rope_scale, x.device)
+
+    def forward_fused(self, x: Tensor) -> Tensor:
+        from batchinfer.sam3.norm_triton import add_layer_norm_rows, layer_norm_rows
+
+        x = x.contiguous()
+        y = self.attn(layer_norm_rows(x, self.norm1, self.window), *self._rope(x))
+        x, h2 = add_layer_norm_rows(x, y, self.norm2, self.window)
+        return x + self.mlp(h2)
+
+    def forward_torch(self, x: Tensor) -> Tensor:
         b, h, w, d = x.shape
         y = self.norm1(x)
-        side = self.window or h
-        cos, sin = axial_rope(self.head_dim, side, self.rope_scale, x.device)
         if self.window:
-            y = window_unpartition(self.attn(window_partition(y, side), cos, sin), side, h, w)
+            y = window_unpartition(
+                self.attn(window_partition(y, self.window), *self._rope(x)), self.window, h, w
+            )
         else:
-            y = self.attn(y.view(b, h * w, d), cos, sin).view(b, h, w, d)
+            y = self.attn(y.view(b, h * w, d), *self._rope(x)).view(b, h, w, d)
         x = x + y
         return x + self.mlp(self.norm2(x))
 

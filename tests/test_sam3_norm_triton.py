@@ -1,0 +1,70 @@
+"""The ViT's fused LayerNorm passes against PyTorch: norm1 written in window order, and the residual add
+of the attention output (read back from window order) with norm2 (CPU: TRITON_INTERPRET=1)."""
+
+import pytest
+import torch
+
+from batchinfer.sam3.norm_triton import add_layer_norm_rows, layer_norm_rows
+from batchinfer.sam3.vit import window_partition, window_unpartition
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _norm(d, dtype):
+    norm = torch.nn.LayerNorm(d, eps=1e-5).to(DEV).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d) * 0.5 + 1)
+        norm.bias.copy_(torch.randn(d) * 0.1)
+    return norm.to(dtype)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(("grid", "window", "d"), [(6, 3, 24), (4, 2, 32), (6, 0, 24)])
+def test_norm_in_window_order_and_add_norm_match_pytorch(dtype, tol, grid, window, d):
+    b = 2
+    x = torch.randn(b, grid, grid, d, device=DEV).to(dtype) * 3 + 1
+    norm1, norm2 = _norm(d, dtype), _norm(d, dtype)
+    got = layer_norm_rows(x, norm1, window)
+    ref = norm1(x)
+    ref = window_partition(ref, window) if window else ref.view(b, grid * grid, d)
+    assert got.shape == ref.shape and got.dtype == dtype
+    assert _rel(got, ref) < tol
+
+    y = torch.randn_like(got) * 2  # the attention output, in the same order as norm1's
+    total, out = add_layer_norm_rows(x, y, norm2, window)
+    y_grid = window_unpartition(y, window, grid, grid) if window else y.view(b, grid, grid, d)
+    ref_total = x + y_grid
+    assert torch.equal(total, ref_total)  # the sum rounds as `x + y` does
+    assert out.shape == x.shape and _rel(out, norm2(ref_total)) < tol
+
+
+def test_shape_errors_name_the_tensors():
+    norm = _norm(8, torch.float32)
+    x = torch.randn(1, 4, 4, 8, device=DEV)
+    with pytest.raises(ValueError, match="contiguous"):
+        layer_norm_rows(x.transpose(1, 2), norm, 2)
+    with pytest.raises(ValueError, match="does not split into 3 x 3 windows"):
+        layer_norm_rows(x, norm, 3)
+    with pytest.raises(ValueError, match="norm over D"):
+        layer_norm_rows(x, _norm(4, torch.float32), 2)
+    with pytest.raises(ValueError, match="add \\+ LayerNorm: y"):
+        add_layer_norm_rows(x, torch.randn(1, 8, 8, device=DEV), norm, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_block_matches_the_pytorch_block_at_real_width():
+    from batchinfer.sam3.config import Sam3Config
+    from batchinfer.sam3.vit import Block
+
+    config = Sam3Config()
+    for window in (config.vit_window, 0):
+        block = Block(config, window).to(DEV, torch.bfloat16).eval()
+        x = torch.randn(2, 48, 48, config.vit_dim, device=DEV, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            fused, plain = block(x), block.forward_torch(x)
+        assert _rel(fused - x, plain - x) < 1e-2  # the block's own contribution, not the residual
