@@ -2,7 +2,6 @@
 the colour-shapes engine: folder and Parquet inputs, error rows, no-detection rows, metadata, DuckDB."""
 
 import json
-import time
 
 import duckdb
 import numpy as np
@@ -180,49 +179,3 @@ def test_bad_job_parameters_are_refused_at_plan_time(tmp_path, params, message):
     manifest = sources.write_manifest(tmp_path / "job", images, ["red"])
     with pytest.raises(InputError, match=message):
         plans.build_plan(tmp_path / "job", [str(manifest)], "", params, engine=SHAPES, task="image")
-
-
-def test_a_dead_decode_worker_fails_the_chunk_by_row_and_the_next_gets_fresh_workers():
-    from concurrent.futures import Future
-    from concurrent.futures.process import BrokenProcessPool
-
-    from batchinfer.images import task
-
-    first = task.decode_processes()
-    fut: Future = Future()
-    fut.set_exception(BrokenProcessPool("a child process terminated abruptly"))
-    with pytest.raises(RuntimeError, match=r"row 7 \('cat.png'\).*a rerun retries it"):
-        task._decoded(fut, 7, "cat.png")
-    fresh = task.decode_processes()
-    assert fresh is not first
-    first.shutdown()
-    assert fresh.submit(pow, 2, 10).result() == 1024  # the replacement pool works
-
-
-def test_an_engine_error_cancels_the_decodes_queued_ahead():
-    from concurrent.futures import ThreadPoolExecutor
-
-    from batchinfer.images import task
-
-    class Failing:
-        input_size, batch_size = None, 2
-
-        def segment(self, requests, threshold):
-            raise RuntimeError("GPU fell off the bus")
-
-    sources_ = [encoded(k) for k in range(2)] * 20
-    with ThreadPoolExecutor(1) as decoder, ThreadPoolExecutor(1) as encoder:
-        submitted = []
-        real_submit = decoder.submit
-
-        def slow(fn, *args):  # 20 ms a decode, so that the window ahead is still queued at the error
-            time.sleep(0.02)
-            return fn(*args)
-
-        decoder.submit = lambda *a: submitted.append(real_submit(slow, *a)) or submitted[-1]
-        with pytest.raises(RuntimeError, match="fell off the bus"):
-            rows = [None] * len(sources_)
-            task._pipeline(Failing(), decoder, encoder, sources_, [""] * len(sources_),
-                           [["red"]] * len(sources_), 0.5, rows)  # fmt: skip
-    assert len(submitted) < len(sources_)  # decoded a bounded window ahead, not the whole chunk
-    assert any(f.cancelled() for f in submitted)  # and what was still queued was dropped

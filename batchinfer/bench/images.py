@@ -3,7 +3,7 @@ Meta's reference implementation as the peer (docs/PERF_IMAGES.md).
 
 The images are drawn exactly as the file's "sam" rule says and encoded once as PNG (lossless, so the
 model sees the drawn pixels bit for bit); encoding is not timed. The timed run is the image job's own
-pipeline (`batchinfer.images.task`): PNG bytes decoded by CPU worker processes, the model in batches, masks to
+pipeline (`batchinfer.images.task`): PNG bytes decoded on CPU threads, the model in batches, masks to
 COCO RLE, rows to one Parquet file. A short untimed warm-up on the first images comes first (CUDA
 context, kernel selection), so figures are steady-state throughput.
 
@@ -18,7 +18,6 @@ of a wrong run is returned.
 from __future__ import annotations
 
 import io
-import itertools
 import logging
 import tempfile
 import time
@@ -157,10 +156,10 @@ def run_end_to_end(
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(task.DECODE_WORKERS, thread_name_prefix="encode") as encoder:
-        lists = [list(p) for p in prompts]
-        decoder = task.decode_processes()
-        times = task._pipeline(engine, decoder, encoder, list(encoded), [""] * n, lists, threshold, rows)
+    with ThreadPoolExecutor(task.DECODE_WORKERS, thread_name_prefix="decode") as pool:
+        times = task._pipeline(
+            engine, pool, list(encoded), [""] * n, [list(p) for p in prompts], threshold, rows
+        )
     write_rows(rows, out_path)
     _sync(device)
     wall = time.perf_counter() - t0
@@ -171,10 +170,9 @@ def run_end_to_end(
 
 def time_decode_only(encoded: Sequence[bytes]) -> dict[str, Any]:
     """The CPU decode workers alone on the workload's images (no GPU): the rate the pipeline can feed."""
-    pool = task.decode_processes()
-    list(pool.map(decode.load, encoded[:1], [""], [None]))  # workers started before the clock
     t0 = time.perf_counter()
-    decoded = list(pool.map(decode.load, encoded, itertools.repeat(""), itertools.repeat(None)))
+    with ThreadPoolExecutor(task.DECODE_WORKERS, thread_name_prefix="decode") as pool:
+        decoded = list(pool.map(lambda b: decode.load(b, "", None), encoded))
     wall = time.perf_counter() - t0
     errors = [d.error for d in decoded if d.error is not None]
     if errors:

@@ -4,8 +4,8 @@ out, or the reason the image is unusable (a row-level error, never an exception)
 EXIF orientation is applied, so height and width are those of the image as viewers show it. With a
 target `size`, the image is resized to size x size (bilinear with antialiasing, aspect ratio not kept,
 as SAM 3's processor does), and JPEG decoding uses Pillow's draft mode to decode at a reduced scale
-first when the target is much smaller. The image task runs this in worker processes
-(`task.decode_processes`), in parallel with the engine.
+first when the target is much smaller. Pillow releases the GIL while decoding and resizing, so a
+thread pool decodes in parallel with the engine.
 """
 
 from __future__ import annotations

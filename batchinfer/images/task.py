@@ -1,25 +1,22 @@
-"""The image task (`plan.json` task `image`): a chunk of image rows -> decode on CPU workers, segment in
+"""The image task (`plan.json` task `image`): a chunk of image rows -> decode on CPU threads, segment in
 engine batches, masks to COCO RLE -> one output row per (image, prompt, instance) (`schemas/mask_output`).
 
-Pipeline per chunk: worker processes decode (and, when the engine asks, resize) images a few batches
-ahead of the engine, and a thread pool encodes each batch's masks while the engine works on the next
-batch, so the engine never waits on the CPU unless the CPU is the bottleneck. Unreadable or corrupt
-images, null images and rows without prompts become one error row each (prompt null, error set); an
-(image, prompt) pair without detections becomes one row with instance null, so absence is queryable. Job
-parameters (plan "sampling"): `score_threshold` and the job `prompts` (for rows whose own list is null or
-empty).
+Pipeline per chunk: a thread pool decodes (and, when the engine asks, resizes) images a few batches
+ahead of the engine, and encodes each batch's masks while the engine works on the next batch, so the
+engine never waits on the CPU unless the CPU is the bottleneck. Unreadable or corrupt images, null
+images and rows without prompts become one error row each (prompt null, error set); an (image, prompt)
+pair without detections becomes one row with instance null, so absence is queryable. Job parameters
+(plan "sampling"): `score_threshold` and the job `prompts` (for rows whose own list is null or empty).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import multiprocessing
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,21 +93,6 @@ def _engine(engine: Any) -> ImageEngine:
     return engine.get() if hasattr(engine, "get") else engine
 
 
-@functools.cache
-def decode_processes() -> ProcessPoolExecutor:
-    """The decode workers: processes, started on first use and kept for the life of this one.
-
-    Why not threads: Pillow drops the GIL only inside each C decode call and takes it back between the
-    dozens of chunks of one PNG, so decode threads and the engine's thread, which launches GPU work op by
-    op, keep handing the GIL to each other. On 2 CPU cores a loop of torch ops ran at 0.63-0.68 of its
-    speed beside one decode thread and at 0.90 beside one decode process (docs/IMAGES.md). forkserver: the
-    parent holds CUDA and threads, which a plain fork would copy mid-flight; the server preloads only this
-    module's decoder, not the caller's `__main__`."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["batchinfer.images.decode"])
-    return ProcessPoolExecutor(DECODE_WORKERS, mp_context=ctx)
-
-
 @dataclass(slots=True)
 class PipelineTimes:
     """Where the wall time of the thread that drives the engine went: blocked on decoded images, inside
@@ -140,8 +122,11 @@ def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, float]]:
     ]
     threshold = float(chunk.plan.sampling["score_threshold"])
     rows: list[list[dict[str, Any]] | None] = [None] * n
-    with ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="encode") as encoder:
-        times = _pipeline(engine, decode_processes(), encoder, sources, bases, prompts, threshold, rows)
+    pool = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="decode")
+    try:
+        times = _pipeline(engine, pool, sources, bases, prompts, threshold, rows)
+    finally:  # a dead engine: drop the decodes queued ahead instead of finishing them
+        pool.shutdown(wait=True, cancel_futures=True)
     out, counts = _table(chunk, rows)
     timing = {"engine_seconds": times.engine_s, "decode_wait_seconds": times.decode_wait_s}
     return out, {**counts, **{k: round(v, 4) for k, v in timing.items()}}
@@ -149,16 +134,14 @@ def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, float]]:
 
 def _pipeline(
     engine: ImageEngine,
-    decoder: Executor,
-    encoder: Executor,
+    pool: ThreadPoolExecutor,
     sources: list[Any],
     bases: list[str],
     prompts: list[list[str]],
     threshold: float,
     rows: list[list[dict[str, Any]] | None],
 ) -> PipelineTimes:
-    """Decode ahead on `decoder`, segment batch by batch, encode each batch's masks on `encoder`; fills
-    `rows`. On an error, the decodes queued ahead are cancelled (the decoder outlives the chunk)."""
+    """Decode ahead on `pool`, segment batch by batch, encode each batch's masks on `pool`; fills `rows`."""
     times = PipelineTimes()
     n = len(sources)
     decoding: dict[int, Future[decode.Decoded]] = {}
@@ -166,55 +149,37 @@ def _pipeline(
     ahead = 0
     size = engine.input_size
     batch = max(1, int(engine.batch_size))
-    try:
-        for lo in range(0, n, batch):
-            hi = min(lo + batch, n)
-            while ahead < min(n, hi + 2 * batch + DECODE_WORKERS):  # keep the workers busy, memory bounded
-                decoding[ahead] = decoder.submit(decode.load, sources[ahead], bases[ahead], size)
-                ahead += 1
-            requests = []
-            for i in range(lo, hi):
-                t0 = time.perf_counter()
-                d = _decoded(decoding.pop(i), i, sources[i])
-                times.decode_wait_s += time.perf_counter() - t0
-                if d.error is None and not prompts[i]:
-                    d.error = "no prompts: the row's prompts are null or empty and the job has no --prompt"
-                if d.error is not None:
-                    rows[i] = [_error_row(d.error, d.height, d.width)]
-                else:
-                    requests.append(ImageRequest(i, d.image, d.height, d.width, prompts[i]))
-            expected = {r.index: r for r in requests}
+    for lo in range(0, n, batch):
+        hi = min(lo + batch, n)
+        while ahead < min(n, hi + 2 * batch + DECODE_WORKERS):  # keep the workers busy, memory bounded
+            decoding[ahead] = pool.submit(decode.load, sources[ahead], bases[ahead], size)
+            ahead += 1
+        requests = []
+        for i in range(lo, hi):
             t0 = time.perf_counter()
-            for result in engine.segment(requests, threshold) if requests else ():
-                req = expected.pop(result.index, None)
-                if req is None:
-                    raise RuntimeError(f"engine returned an unknown or repeated result index {result.index}")
-                encoding.append((result.index, encoder.submit(_result_rows, result, req, threshold)))
-            times.engine_s += time.perf_counter() - t0
-            if expected:
-                raise RuntimeError(f"engine returned no result for {len(expected)} image(s) of the batch")
-    finally:
-        for fut in decoding.values():
-            fut.cancel()
+            d = decoding.pop(i).result()
+            times.decode_wait_s += time.perf_counter() - t0
+            if d.error is None and not prompts[i]:
+                d.error = "no prompts: the row's prompts are null or empty and the job has no --prompt"
+            if d.error is not None:
+                rows[i] = [_error_row(d.error, d.height, d.width)]
+            else:
+                requests.append(ImageRequest(i, d.image, d.height, d.width, prompts[i]))
+        expected = {r.index: r for r in requests}
+        t0 = time.perf_counter()
+        for result in engine.segment(requests, threshold) if requests else ():
+            req = expected.pop(result.index, None)
+            if req is None:
+                raise RuntimeError(f"engine returned an unknown or repeated result index {result.index}")
+            encoding.append((result.index, pool.submit(_result_rows, result, req, threshold)))
+        times.engine_s += time.perf_counter() - t0
+        if expected:
+            raise RuntimeError(f"engine returned no result for {len(expected)} image(s) of the batch")
     t0 = time.perf_counter()
     for i, fut in encoding:
         rows[i] = fut.result()
     times.encode_wait_s = time.perf_counter() - t0
     return times
-
-
-def _decoded(fut: Future[decode.Decoded], i: int, source: Any) -> decode.Decoded:
-    """The decode of chunk row `i`; a worker process that died (killed, out of memory, a crash in a
-    decoder library) fails the chunk with the row named, and the next chunk gets fresh workers."""
-    try:
-        return fut.result()
-    except BrokenProcessPool as e:
-        decode_processes.cache_clear()
-        what = f"{source!r}" if isinstance(source, str) else f"{len(source or b'')} image bytes"
-        raise RuntimeError(
-            f"an image decode worker process died while the chunk's row {i} ({what}) or a neighbour was "
-            f"decoding ({e}); nothing of this chunk was committed, and a rerun retries it"
-        ) from e
 
 
 @functools.cache
