@@ -49,12 +49,14 @@ def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded
     try:
         with Image.open(opener) as img:  # over 2x Image.MAX_IMAGE_PIXELS: DecompressionBombError
             width, height = img.size
-            if img.getexif().get(0x0112) in _ROTATED:
+            orientation = img.getexif().get(0x0112)
+            if orientation in _ROTATED:
                 width, height = height, width
             if size is not None and img.format == "JPEG":
                 img.draft("RGB", (size, size))
-            img = ImageOps.exif_transpose(img)
-            rgb = img.convert("RGB")
+            if orientation not in (None, 1):  # both calls copy the pixels even when they have nothing to do
+                img = ImageOps.exif_transpose(img)
+            rgb = img if img.mode == "RGB" else img.convert("RGB")
             if size is not None and rgb.size != (size, size):
                 rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
             pixels = np.array(rgb)
