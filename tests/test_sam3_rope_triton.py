@@ -15,7 +15,8 @@ def test_matches_the_pytorch_rope_on_the_qkv_view(dtype, tol, heads, side, head_
     qkv = qkv.view(b, n, 3, heads, head_dim).permute(2, 0, 3, 1, 4)  # strided, as in vit.Attention
     cos, sin = axial_rope(head_dim, side, 0.5, torch.device(DEV))
     out = apply_rope_triton(qkv[:2], cos, sin)
-    assert out.is_contiguous() and out.dtype == dtype and out.shape == qkv[:2].shape
+    assert out.dtype == dtype and out.shape == qkv[:2].shape
+    assert out.transpose(2, 3).is_contiguous()  # token-major: [2, B, L, H, Dh] in memory
     for x, got in zip(qkv[:2], out, strict=True):
         ref = apply_rope(x, cos, sin)
         err = float((got.float() - ref.float()).norm() / ref.float().norm())

@@ -2,13 +2,15 @@
 
 Why: in PyTorch the rotation of q and k takes about ten elementwise passes (upcast, four products, two
 sums, stack, downcast), each over a [B, H, L, Dh] tensor. This kernel reads the strided q and k views of
-the qkv projection once and writes them contiguous, in one launch. A program takes two tokens' whole
-q (or k) rows, all heads (one contiguous run of H x Dh in the qkv row); the partner of element d is
-read as a second tile at d ^ 1, which hits L1. Measured on the H200 (docs/PERF_IMAGES.md,
-session 14) at 16 images' windowed and global shapes: 2.9 TB/s, against 0.33 TB/s for a [64 tokens,
-Dh] tile a head (and 0.26 for the first, stride-2 form: 29% of the backbone); a plain tile copy of the
-same views ran at 4.0. Same arithmetic as `apply_rope` (fp32 products and sums, one rounding), up to
-fused multiply-adds.
+the qkv projection once and writes them token-major ([2, B, L, H, Dh] in memory, seen as [2, B, H, L,
+Dh]), in one launch. Token-major because PyTorch's cuDNN attention allocates its output in q's layout:
+the attention output's `transpose(1, 2).reshape` before the output projection is then a view, not a copy
+(unmeasured on the H200). A program takes two tokens' whole q (or k) rows, all heads (one contiguous run
+of H x Dh in the qkv row); the partner of element d is read as a second tile at d ^ 1, which hits L1.
+Measured on the H200 (docs/PERF_IMAGES.md, session 14) at 16 images' windowed and global shapes: 2.9
+TB/s, against 0.33 TB/s for a [64 tokens, Dh] tile a head (and 0.26 for the first, stride-2 form: 29% of
+the backbone); a plain tile copy of the same views ran at 4.0. Same arithmetic as `apply_rope` (fp32
+products and sums, one rounding), up to fused multiply-adds.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _rope_kernel(
 
 def apply_rope_triton(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """qk [2, B, H, L, Dh] (q then k; a head's Dh and the H heads of a token contiguous, as in the qkv
-    projection's view); cos, sin float32 [L, Dh // 2] -> contiguous [2, B, H, L, Dh] in qk's dtype,
+    projection's view); cos, sin float32 [L, Dh // 2] -> [2, B, H, L, Dh] in qk's dtype, token-major,
     adjacent pairs (x[2j], x[2j+1]) rotated by the angles of row L."""
     if (
         qk.dim() != 5
@@ -68,7 +70,7 @@ def apply_rope_triton(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             "tables"
         )
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+    out = torch.empty((2, b, n, h, dh), dtype=qk.dtype, device=qk.device).permute(0, 1, 3, 2, 4)
     grid = (triton.cdiv(n, BLOCK_L), b, 2)
     _rope_kernel[grid](
         qk, out, cos, sin, n,
