@@ -100,3 +100,10 @@ def test_pairs_at_once_match_pair_by_pair():
         assert [i.box_xyxy for i in together[k].instances] == [i.box_xyxy for i in alone.instances]
         for a, b in zip(together[k].instances, alone.instances, strict=True):
             assert a.mask.shape == (h, w) and torch.equal(a.mask, b.mask)
+
+
+def test_pairs_and_sizes_must_agree():
+    with pytest.raises(ValueError, match="2 pairs of logits but 1 image sizes"):
+        select_pairs(
+            torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, 3, 4), torch.zeros(2, 3, 2, 2), [(4, 4)], 0.5
+        )

@@ -28,9 +28,10 @@ def test_rejects_mismatched_tables_and_layouts():
     cos, sin = axial_rope(8, 4, 1.0, torch.device(DEV))
     with pytest.raises(ValueError, match="tables"):
         apply_rope_triton(qk, cos[:8], sin[:8])
-    with pytest.raises(ValueError, match="rope: qk"):
+    with pytest.raises(ValueError, match="stacked as"):
         apply_rope_triton(qk[0], cos, sin)
-    with pytest.raises(ValueError, match="head stride Dh"):  # heads not contiguous within a token
-        apply_rope_triton(qk.contiguous(), cos, sin)
-    with pytest.raises(ValueError, match="unit last stride"):
-        apply_rope_triton(torch.randn(2, 1, 2, 16, 16, device=DEV)[..., ::2], cos, sin)
+    heads_apart = qk.contiguous()  # each head's rows contiguous, a token's heads 128 elements apart
+    with pytest.raises(ValueError, match=r"strides \(256, 256, 128, 8, 1\)"):
+        apply_rope_triton(heads_apart, cos, sin)
+    with pytest.raises(ValueError, match="strides"):  # a strided last dim
+        apply_rope_triton(torch.randn(2, 1, 16, 2, 16, device=DEV).transpose(2, 3)[..., ::2], cos, sin)

@@ -48,10 +48,12 @@ from batchinfer.kernels import (
 )
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4 import quantize_fp8, quantize_nvfp4
+from batchinfer.sam3 import norm_triton, rope_triton
+from batchinfer.sam3.vit import axial_rope
 
 # fmt: off
 _MODULES = (attention, causal_conv1d, fp8_gemm, fp8_rows_mm, gdn, gdn_chunk, kv_cache, moe, moe_align,
-            moe_tc, nvfp4_gemm, qk_norm_rope, sampling, small_ops)
+            moe_tc, nvfp4_gemm, qk_norm_rope, sampling, small_ops, norm_triton, rope_triton)
 # fmt: on
 
 _PTR_TYPES = {
@@ -349,6 +351,27 @@ def _moe_align_launches() -> Iterator[tuple]:
         yield "T=2048 E=257 BLOCK_M=64", kernel, align
 
 
+def _vit_launches() -> Iterator[tuple]:
+    """The SAM 3 ViT's two Triton passes at 16 images of 1,008 px (72 x 72 tokens, 24 x 24 windows)."""
+    x, norm = _t(16, 72, 72, 1024), torch.nn.LayerNorm(1024).to(torch.bfloat16)
+    for window, blocks, tokens in ((24, 16 * 9, 24 * 24), (0, 16, 72 * 72)):  # attention batches x tokens
+        y = _t(blocks, tokens, 1024)
+        yield (
+            f"norm1, window {window}",
+            norm_triton._ln_kernel,
+            lambda w=window: norm_triton.layer_norm_rows(x, norm, w),
+        )
+        add = lambda w=window, y=y: norm_triton.add_layer_norm_rows(x, y, norm, w)  # noqa: E731
+        yield f"add + norm2, window {window}", norm_triton._ln_kernel, add
+        qkv = _t(blocks, tokens, 3072).view(blocks, tokens, 3, 16, 64).permute(2, 0, 3, 1, 4)
+        cos, sin = axial_rope(64, window or 72, 1.0, torch.device("cpu"))
+        yield (
+            f"q, k of {blocks} x {tokens}",
+            rope_triton._rope_kernel,
+            lambda q=qkv, c=cos, s=sin: rope_triton.apply_rope_triton(q[:2], c, s),
+        )
+
+
 def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     """(case, kernel, launch) at both models' shapes, production configs."""
     yield from _attention_launches(16, 2, 256, 64, True)
@@ -361,6 +384,7 @@ def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     yield from _fp8_gemv_launches()
     yield from _nvfp4_gemv_launches()
     yield from _small_op_launches()
+    yield from _vit_launches()
 
 
 def main() -> None:

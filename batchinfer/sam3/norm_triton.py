@@ -26,14 +26,17 @@ BLOCK_ROWS = 4  # tokens a program
 
 @triton.jit
 def _window_rows(t, H: tl.constexpr, W: tl.constexpr, WIN: tl.constexpr):
-    """Image-order token t of a [B, H, W] grid -> its row in window order ([B, H/w, W/w, w, w])."""
+    """Image-order token t of a [B, H, W] grid -> its row in window order ([B, H/w, W/w, w, w]). One
+    return: code after a return inside a constexpr `if` is still compiled (H // 0 for WIN = 0)."""
     if WIN == 0:
-        return t
-    b = t // (H * W)
-    rem = t % (H * W)
-    row = rem // W
-    col = rem % W
-    return (((b * (H // WIN) + row // WIN) * (W // WIN) + col // WIN) * WIN + row % WIN) * WIN + col % WIN
+        win = t
+    else:
+        b = t // (H * W)
+        rem = t % (H * W)
+        row = rem // W
+        col = rem % W
+        win = (((b * (H // WIN) + row // WIN) * (W // WIN) + col // WIN) * WIN + row % WIN) * WIN + col % WIN
+    return win
 
 
 @triton.jit
@@ -44,7 +47,7 @@ def _ln_kernel(
 ):  # fmt: skip
     """Rows t (image order) of x [n_rows, D]. ADD: s = x[t] + y[window row of t], stored to sum[t], and
     out[t] = LN(s); else out[window row of t] = LN(x[t])."""
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: t * D passes 2^31 at ~400 images
     d = tl.arange(0, D_P2)
     row_ok = t < n_rows
     mask = row_ok[:, None] & (d[None, :] < D)

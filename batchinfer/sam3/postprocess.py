@@ -54,6 +54,8 @@ def select_pairs(
     mask_logits [N, Q, h, w], sizes (H, W) a pair). Why: the scores and presences of all N pairs come to
     the host in one copy, so a batch without detections costs one host sync instead of two a pair; only
     pairs with instances upsample and copy masks."""
+    if len(sizes) != logits.shape[0]:
+        raise ValueError(f"select_pairs: {logits.shape[0]} pairs of logits but {len(sizes)} image sizes")
     presence = torch.sigmoid(presence_logit.float())
     scores = torch.sigmoid(logits.float()) * presence[:, None]
     host = torch.cat([presence[:, None], scores], dim=1).cpu()

@@ -30,8 +30,8 @@ def _rope_kernel(
     DH: tl.constexpr, HD: tl.constexpr, HD_P2: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid_l = tl.program_id(0)
-    b = tl.program_id(1)
-    s = tl.program_id(2)  # 0: q, 1: k
+    b = tl.program_id(1).to(tl.int64)  # b * sxb passes 2^31 at ~135 images of global blocks
+    s = tl.program_id(2).to(tl.int64)  # 0: q, 1: k
     rows = pid_l * BLOCK + tl.arange(0, BLOCK)
     c = tl.arange(0, HD_P2)  # head c // DH, element c % DH
     mask = (rows[:, None] < L) & (c[None, :] < HD)
@@ -52,16 +52,12 @@ def apply_rope_triton(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """qk [2, B, H, L, Dh] (q then k; a head's Dh and the H heads of a token contiguous, as in the qkv
     projection's view); cos, sin float32 [L, Dh // 2] -> [2, B, H, L, Dh] in qk's dtype, token-major,
     adjacent pairs (x[2j], x[2j+1]) rotated by the angles of row L."""
-    if (
-        qk.dim() != 5
-        or qk.shape[0] != 2
-        or qk.stride(-1) != 1
-        or qk.stride(2) != qk.shape[-1]
-        or qk.shape[-1] % 2
-    ):
+    if qk.dim() != 5 or qk.shape[0] != 2 or qk.shape[-1] % 2:
+        raise ValueError(f"rope: qk {tuple(qk.shape)}: expected q and k stacked as [2, B, H, L, Dh], Dh even")
+    if qk.stride(-1) != 1 or qk.stride(2) != qk.shape[-1]:
         raise ValueError(
-            f"rope: qk {tuple(qk.shape)} strides {qk.stride()}: expected q and k stacked as [2, B, H, L, Dh] "
-            "with an even Dh, each token's heads contiguous (head stride Dh, unit last stride)"
+            f"rope: qk strides {qk.stride()}: expected each token's heads contiguous (head stride "
+            f"{qk.shape[-1]} = Dh, unit last stride), as in the qkv projection's view"
         )
     _, b, h, n, dh = qk.shape
     if cos.shape != (n, dh // 2) or sin.shape != cos.shape:
