@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +163,7 @@ def run_end_to_end(
     write_rows(rows, out_path)
     _sync(device)
     wall = time.perf_counter() - t0
-    pipeline = {"engine_s": times.engine_s, "decode_wait_s": times.decode_wait_s,
-                "encode_wait_s": times.encode_wait_s}  # fmt: skip
-    return _figures(rows, prompts, wall, out_path) | peak_memory(device) | {"pipeline": pipeline}
+    return _figures(rows, prompts, wall, out_path) | peak_memory(device) | {"pipeline": asdict(times)}
 
 
 def time_decode_only(encoded: Sequence[bytes]) -> dict[str, Any]:

@@ -128,8 +128,11 @@ def process_chunk(chunk: Chunk) -> tuple[pa.Table, dict[str, float]]:
     finally:  # a dead engine: drop the decodes queued ahead instead of finishing them
         pool.shutdown(wait=True, cancel_futures=True)
     out, counts = _table(chunk, rows)
-    timing = {"engine_seconds": times.engine_s, "decode_wait_seconds": times.decode_wait_s}
-    return out, {**counts, **{k: round(v, 4) for k, v in timing.items()}}
+    timing = {
+        "engine_seconds": round(times.engine_s, 4),
+        "decode_wait_seconds": round(times.decode_wait_s, 4),
+    }
+    return out, counts | timing
 
 
 def _pipeline(

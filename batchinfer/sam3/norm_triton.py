@@ -85,23 +85,24 @@ def _check(x: Tensor, norm: torch.nn.LayerNorm, window: int) -> tuple[int, int, 
     return b, h, w, d
 
 
-def _launch(x: Tensor, y: Tensor | None, norm: torch.nn.LayerNorm, window: int, out: Tensor) -> Tensor | None:
+def _launch(
+    x: Tensor, y: Tensor | None, total: Tensor | None, out: Tensor, norm: torch.nn.LayerNorm, window: int
+) -> None:
+    """`_ln_kernel` over x's rows; with y (and `total` for the sum) the add + norm form."""
     b, h, w, d = _check(x, norm, window)
     n = b * h * w
-    total = torch.empty_like(x) if y is not None else None
     _ln_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
         x, x if y is None else y, norm.weight, norm.bias, out if total is None else total, out, n, norm.eps,
         D=d, D_P2=triton.next_power_of_2(d), H=h, W=w, WIN=window, ADD=y is not None, BLOCK=BLOCK_ROWS,
         INTERPRET=interpreting(), num_warps=4,
     )  # fmt: skip
-    return total
 
 
 def layer_norm_rows(x: Tensor, norm: torch.nn.LayerNorm, window: int) -> Tensor:
     """norm(x) of x [B, H, W, D]: [B * nW, window^2, D] in window order (`vit.window_partition`'s), or
     [B, H * W, D] for window 0."""
     out = torch.empty_like(x)
-    _launch(x, None, norm, window, out)
+    _launch(x, None, None, out, norm, window)
     b, h, w, d = x.shape
     return out.view(-1, window * window, d) if window else out.view(b, h * w, d)
 
@@ -114,7 +115,6 @@ def add_layer_norm_rows(x: Tensor, y: Tensor, norm: torch.nn.LayerNorm, window: 
             f"add + LayerNorm: y {tuple(y.shape)} {y.dtype} (contiguous {y.is_contiguous()}): expected the "
             f"{x.numel()} elements of x {tuple(x.shape)} {x.dtype}, contiguous"
         )
-    out = torch.empty_like(x)
-    total = _launch(x, y, norm, window, out)
-    assert total is not None
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    _launch(x, y, total, out, norm, window)
     return total, out
