@@ -18,7 +18,7 @@ from batchinfer.kernels.moe import (
 from batchinfer.kernels.moe_align import moe_align, moe_align_ref
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
 from batchinfer.kernels.moe_weights import stack_moe_weights
-from batchinfer.kernels.nvfp4 import quantize_nvfp4
+from batchinfer.kernels.nvfp4 import quantize_nvfp4, quantize_nvfp4_stack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,18 +29,21 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _weights(e: int, d: int, i: int, quant: bool, shared: bool, seed: int):
-    g = torch.Generator().manual_seed(seed)
+    """Random experts made and quantized where the test runs, a stack at a time: at real shapes, 770
+    quantizations on the CPU took longer than the GPU test itself."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
 
-    def mk(n, k):
-        w = torch.randn(n, k, generator=g) * (0.5 / k**0.5)
-        return quantize_nvfp4(w).to(DEVICE) if quant else w.to(torch.bfloat16).to(DEVICE)
+    def mk(n, k):  # e + 1 matrices: the last is the shared expert's
+        w = torch.randn(e + 1, n, k, generator=g, device=DEVICE) * (0.5 / k**0.5)
+        return quantize_nvfp4_stack(w) if quant else list(w.to(torch.bfloat16))
 
-    experts = [(mk(i, d), mk(i, d), mk(d, i)) for _ in range(e)]
-    router = torch.randn(e, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    gate, up, down = mk(i, d), mk(i, d), mk(d, i)
+    experts = list(zip(gate[:e], up[:e], down[:e], strict=True))
+    router = torch.randn(e, d, generator=g, device=DEVICE).to(torch.bfloat16)
     if not shared:
         return stack_moe_weights(router, experts)
-    gate = torch.randn(1, d, generator=g).to(torch.bfloat16).to(DEVICE)
-    return stack_moe_weights(router, experts, (mk(i, d), mk(i, d), mk(d, i)), gate)
+    gate_w = torch.randn(1, d, generator=g, device=DEVICE).to(torch.bfloat16)
+    return stack_moe_weights(router, experts, (gate[e], up[e], down[e]), gate_w)
 
 
 @pytest.mark.parametrize(
