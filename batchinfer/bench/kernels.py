@@ -22,13 +22,13 @@ import importlib.util
 import logging
 import math
 import statistics
-import subprocess
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from batchinfer.bench import commit_id
 from batchinfer.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -252,22 +252,13 @@ def _run_case(case: KernelCase, device: torch.device, ceilings: dict[str, float]
 
 def environment() -> dict[str, str]:
     """What a result table needs beside it: GPU, versions, commit, date."""
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        commit = "unknown"
     import triton
 
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": commit,
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 
 import torch
 
+from batchinfer.bench import commit_id
 from batchinfer.bench.accuracy_lock import MIN_SAMPLE, AccuracyLockError, LockResult, accuracy_lock
 from batchinfer.bench.e2e import TokenEngine, measure
 from batchinfer.bench.workloads import WorkloadRequests
@@ -67,18 +66,9 @@ def build_model(
 
 
 def environment(device: torch.device) -> dict[str, str]:
-    """Commit, date, device and versions: what a recorded figure needs beside it. The commit comes from
-    BATCHINFER_COMMIT when set (a copy of the tree without `.git`, as on the device machine)."""
-    commit = os.environ.get("BATCHINFER_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-            ).stdout.strip()
-        except OSError:
-            commit = ""
+    """Commit, date, device and versions: what a recorded figure needs beside it."""
     return {
-        "commit": commit or "unknown",
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
