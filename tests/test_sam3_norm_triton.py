@@ -70,3 +70,16 @@ def test_fused_block_matches_the_pytorch_block_at_real_width():
         with torch.inference_mode():
             fused, plain = block(x), block.forward_torch(x)
         assert _rel(fused - x, plain - x) < 1e-2  # the block's own contribution, not the residual
+
+
+def test_fused_mlp_keeps_the_token_shape_and_values():
+    """`Mlp.forward_fused` (fc1 + GELU as one addmm epilogue) on [B, H, W, D] tokens: the MLP's values
+    (erf GELU on the CPU, where PyTorch's epilogue is exact; the GPU's tanh form is the block test's)."""
+    from batchinfer.sam3.vit import Mlp
+
+    mlp = Mlp(16, 40).to(DEV)
+    x = torch.randn(2, 3, 5, 16, device=DEV)
+    with torch.inference_mode():
+        out = mlp.forward_fused(x)
+        assert out.shape == x.shape
+        assert _rel(out, mlp(x)) < (1e-2 if DEV == "cuda" else 1e-5)

@@ -33,7 +33,11 @@ from batchinfer.jobs.tasks import Chunk, Task
 
 DEFAULT_SCORE_THRESHOLD = 0.5  # Meta's Sam3Processor and SA-Co evaluation keep score > 0.5
 DEFAULT_CHUNK_ROWS = 256  # images per committed file: a kill loses at most this much work
-DECODE_WORKERS = min(16, os.cpu_count() or 1)
+# CPU decode threads. More is slower: they share the GIL with the thread that launches the GPU's kernels
+# (images-1p on the H200, 1,008-px PNGs: 16 threads 52.4 images/s, 4 threads 59.5, 2 threads 59.4, the
+# model alone 61.4; docs/PERF_IMAGES.md, session 15). A job that waits on them shows it in its chunks'
+# `decode_wait_seconds`.
+DECODE_WORKERS = min(4, os.cpu_count() or 1)
 _PARAMS = {"score_threshold", "prompts"}
 
 

@@ -6,7 +6,8 @@ Patch embedding (conv, no bias) + absolute position embeddings tiled from the 24
 axial RoPE to q and k: the first half of the rotated pairs carries the token's column (x), the second
 half its row (y); global blocks scale positions by window/grid so they span the same range as a
 window (Meta's `use_interp_rope`). The MLP uses the exact erf GELU of Meta's Nov-2025 code (timm `Mlp`),
-not the bf16 tanh GELU of the Mar-2026 SAM 3.1 code; the reference is fp32/bf16 PyTorch.
+not the bf16 tanh GELU of the Mar-2026 SAM 3.1 code; the reference is fp32/bf16 PyTorch. The CUDA bf16 path
+(`Block.forward_fused`) takes the tanh form, fused into fc1's GEMM.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ class Mlp(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
 
+    def forward_fused(self, x: Tensor) -> Tensor:
+        """The CUDA bf16 path: fc1's bias and GELU in cuBLASLt's GEMM epilogue, which computes the tanh
+        form of GELU on CUDA (within 1e-3 of erf's; the image accuracy lock bounds the effect; PyTorch's CPU
+        form is exact), saving a pass over the [tokens, 4,736] activations (202.8 -> 190.1 ms a 16-image
+        backbone on the H200, session 15)."""
+        h = torch._addmm_activation(
+            self.fc1.bias, x.reshape(-1, x.shape[-1]), self.fc1.weight.t(), use_gelu=True
+        )
+        return self.fc2(h).view(*x.shape[:-1], -1)
+
 
 class Block(nn.Module):
     def __init__(self, config: Sam3Config, window: int) -> None:
@@ -123,7 +134,7 @@ class Block(nn.Module):
         x = x.contiguous()
         y = self.attn(layer_norm_rows(x, self.norm1, self.window), *self._rope(x))
         x, h2 = add_layer_norm_rows(x, y, self.norm2, self.window)
-        return x + self.mlp(h2)
+        return x + self.mlp.forward_fused(h2)
 
     def forward_torch(self, x: Tensor) -> Tensor:
         b, h, w, d = x.shape
