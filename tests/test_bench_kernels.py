@@ -57,6 +57,22 @@ def test_collect_cases_covers_ops_models_and_m():
     assert {c.m for c in rows_mm if c.op == "fp8_rows_mm"} == {8, 32}
     shapes = {op: {c.shape for c in rows_mm if c.op == op} for op in ("fp8_rows_mm", "fp8_gemm")}
     assert shapes["fp8_rows_mm"] == shapes["fp8_gemm"]
+    emb = {(c.model, c.m, c.shape) for c in cases if c.op == "embedding"}
+    assert emb == {
+        (m, t, f"V={v} D=2048") for m, v in (("qwen3.6", 248320), ("qwen3-30b", 151936)) for t in (1, 4096)
+    }
+
+
+def test_embedding_case_gathers_what_torch_gathers():
+    """The embedding case's kernel call and its PyTorch baseline return the same rows (a small table)."""
+    from types import SimpleNamespace
+
+    from batchinfer.bench.kernel_cases_attn import _embedding
+
+    timed = _embedding(7, SimpleNamespace(vocab_size=50, hidden_size=32), torch.device("cpu"))
+    assert timed.bytes == 4 * 7 * 32 + 8 * 7
+    for i in range(timed.n_sets):
+        assert torch.equal(timed.run(i), timed.baselines["torch"](i))
 
 
 @pytest.mark.parametrize(

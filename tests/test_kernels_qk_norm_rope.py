@@ -59,3 +59,22 @@ def test_rejects_bad_weight():
             1e-6,
             True,
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "H,Hkv,Dh,rot,one_plus,gated",
+    [(16, 2, 256, 64, True, True), (32, 4, 128, 128, False, False)],  # Qwen3.5/3.6, Qwen3-30B
+)
+def test_real_shapes_gpu(monkeypatch, H, Hkv, Dh, rot, one_plus, gated):
+    poison_empty(monkeypatch)
+    T = 512
+    qg = rnd(T, H, 2 * Dh if gated else Dh)
+    q = qg[..., :Dh]
+    k = rnd(T, Hkv, Dh)
+    qw, kw = rnd(Dh, scale=0.3), rnd(Dh, scale=0.3)
+    pos = torch.randint(0, 40000, (T,), generator=torch.Generator().manual_seed(T)).to(DEV)
+    inv_freq = rope_inv_freq(rot, 1e7 if gated else 1e6, DEV)
+    qo, ko = qk_norm_rope(q, k, qw, kw, pos, inv_freq, 1e-6, one_plus)
+    qr, kr = qk_norm_rope_ref(q, k, qw, kw, pos, inv_freq, 1e-6, one_plus)
+    assert rel_err(qo, qr) < 1e-2 and rel_err(ko, kr) < 1e-2

@@ -108,3 +108,7 @@ def test_real_shapes_gpu():
     assert rel_err(silu_mul(gu), silu_mul_ref(gu)) < 1e-2
     y = torch.randn(32 * 9, 2048, device="cuda", dtype=torch.bfloat16)  # conc32's experts, Qwen3.6
     assert rel_err(sum_slots(y, 9), y.view(32, 9, 2048).float().sum(1)) < 1e-2
+    table = torch.randn(248320, 2048, device="cuda", dtype=torch.bfloat16)  # Qwen3.6's embedding table
+    ids = torch.randint(0, 248320, (4096,), device="cuda", dtype=torch.int32)
+    ids[:2] = torch.tensor([0, 248319])
+    assert torch.equal(embedding(ids, table), embedding_ref(ids, table))

@@ -21,7 +21,7 @@ from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
 from batchinfer.kernels.sampling import sample
-from batchinfer.kernels.small_ops import add_rmsnorm, silu_mul
+from batchinfer.kernels.small_ops import add_rmsnorm, embedding, silu_mul
 from batchinfer.models.config import ModelConfig
 
 BF16 = torch.bfloat16
@@ -377,11 +377,29 @@ def _norm(m: int, width: int, gated: bool, dev: torch.device) -> Timed:
     return _rows(m, width, 2, lambda x, r: add_rmsnorm(x, r, w, 1e-6, True), 2 * 2 * m * width, dev)
 
 
+def _embedding(m: int, cfg: ModelConfig, dev: torch.device) -> Timed:
+    """m token ids gathered from the real [V, D] bf16 table (0.5-1 GB, so rows come from HBM)."""
+    V, D = cfg.vocab_size, cfg.hidden_size
+    table = torch.randn(V, D, device=dev, dtype=BF16)
+    sets = rotating_sets(4 * m * D)
+    ids = [torch.randint(0, V, (m,), device=dev) for _ in range(sets)]
+    return Timed(
+        run=lambda i: embedding(ids[i], table),
+        n_sets=sets,
+        bytes=4 * m * D + 8 * m,
+        flops=0,
+        baselines={"torch": lambda i: F.embedding(ids[i], table)},
+    )
+
+
 @register
 def small_op_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[KernelCase]:
     D = cfg.hidden_size
     I = cfg.shared_expert_intermediate_size or cfg.moe_intermediate_size
     for m in ms:
+        yield KernelCase(
+            "embedding", model, f"V={cfg.vocab_size} D={D}", m, lambda dev, m=m: _embedding(m, cfg, dev)
+        )
         yield KernelCase("add_rmsnorm", model, f"D={D}", m, lambda dev, m=m: _norm(m, D, False, dev))
         yield KernelCase(
             "silu_mul", model, f"I={I}", m, lambda dev, m=m: _rows(m, 2 * I, 1, silu_mul, 2 * m * I, dev)
