@@ -83,3 +83,16 @@ def test_fused_mlp_keeps_the_token_shape_and_values():
         out = mlp.forward_fused(x)
         assert out.shape == x.shape
         assert _rel(out, mlp(x)) < (1e-2 if DEV == "cuda" else 1e-5)
+
+
+def test_fused_mlp_keeps_an_fp8_fc1():
+    """`--vit fp8` swaps fc1 for an `FP8Linear` (E4M3 weight and scales): the fused form must not read its
+    weight as a bf16 matrix, so it runs the module as it is."""
+    from batchinfer.sam3.fp8 import FP8Linear
+    from batchinfer.sam3.vit import Mlp
+
+    mlp = Mlp(32, 64).to(DEV, torch.bfloat16 if DEV == "cuda" else torch.float32)
+    mlp.fc1 = FP8Linear(mlp.fc1)  # after the move, as `use_fp8_vit` does: `.to(dtype)` would cast E4M3
+    x = torch.randn(2, 3, 5, 32, device=DEV, dtype=mlp.fc2.weight.dtype)
+    with torch.inference_mode():
+        assert torch.equal(mlp.forward_fused(x), mlp(x))
