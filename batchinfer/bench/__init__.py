@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+from pathlib import Path
 
 
 def commit_id() -> str:
@@ -11,7 +12,11 @@ def commit_id() -> str:
     if not commit:
         try:
             commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=False,
+                cwd=Path(__file__).parent,  # the package's tree, wherever the command runs
             ).stdout.strip()
         except OSError:
             commit = ""
