@@ -29,7 +29,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _weights(e: int, d: int, i: int, quant: bool, shared: bool, seed: int):
-    """Random experts made and quantized where the test runs, a stack at a time: at real shapes, 770
+    """Random experts made and quantized where the test runs, a stack at a time: at real shapes, 771
     quantizations on the CPU took longer than the GPU test itself."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -130,9 +131,10 @@ def _png(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def encode_png(images: Sequence[np.ndarray], workers: int = task.DECODE_WORKERS) -> list[bytes]:
-    """Lossless PNG bytes of each image (what the timed run decodes)."""
-    with ThreadPoolExecutor(workers) as pool:
+def encode_png(images: Sequence[np.ndarray], workers: int | None = None) -> list[bytes]:
+    """Lossless PNG bytes of each image (what the timed run decodes), before any timing: on every core
+    (default), not the pipeline's few decode threads."""
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
         return list(pool.map(_png, images))
 
 
