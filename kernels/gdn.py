@@ -6,16 +6,19 @@ Layouts (last dim contiguous, row strides free so q/k/v can be views of the conv
 - tokens packed `[T, ...]`, sequences delimited by `cu_seqlens [N + 1]` (int32) for prefill, one token
   per row for decode; `slot_ids [N]` maps a sequence to its state slot; a negative slot marks a
   padded row (CUDA graphs): it reads and writes no state and returns zeros.
-- recurrent state pool `[slots, Hv, Dk, Dv]` fp32 (bf16 accepted: computed in fp32, stored rounded).
+- recurrent state pool `[slots, Hv, Dk, Dv]` fp32 (bf16 or fp16 accepted: computed in fp32, stored
+  rounded; fp16 saturates at +-65504).
 Math (HF `Qwen3_5MoeGatedDeltaNet`): q, k l2-normalised in fp32 (q also scaled by Dk^-0.5), v-head h
 uses qk-head h // (Hv / Hk), `g = -exp(A_log) * softplus(a + dt_bias)`, `beta = sigmoid(b)`; per token
 `S = S * exp(g); S += k (x) (v - S^T k) * beta; o = S^T q`. `gated_delta_rule(cu_seqlens=...)` runs
 the same token recurrence over whole prompts (state in registers, one program per (sequence, v-head,
 v-tile), from a zero state); `gdn_chunk.chunk_gated_delta_rule` computes the same function 64 tokens
 at a time on tensor cores and is the prefill path for long prompts (measured 2026-11-30: the token
-recurrence takes 3.25 ms for 4 x 1024 tokens). The bf16 state costs accuracy: emulated on random
-inputs with Mamba-style decays, outputs drift 2e-3 -> 1.2e-2 relative to the fp32-state path over
-512 steps; fp32 (the checkpoint's `mamba_ssm_dtype`) is the default.
+recurrence takes 3.25 ms for 4 x 1024 tokens). A 16-bit state costs accuracy: emulated on random
+inputs with Mamba-style decays, bf16 outputs drift 2e-3 -> 1.2e-2 relative to the fp32-state path over
+512 steps; fp16 (3 more mantissa bits) stays ~8x closer on the same kind of emulation (2026-12-02,
+1,024 steps: 6-8e-4 for bf16, 7-10e-5 for fp16). fp32 (the checkpoint's `mamba_ssm_dtype`) is the
+default.
 Head dims: any; one that is not a power of two (the demo model's 48) is padded to the next one with
 zero-filled lanes, masks only in that case, so the power-of-two shapes compile to the code they always did.
 Numerics: all fp32; expected error vs `*_ref` ~1e-3 relative (bf16 inputs/outputs).
@@ -124,7 +127,7 @@ def _delta_rule_kernel(
             o = tl.sum(S * q[:, None], axis=0)
             o = small_ops._to(o, o_ptr.dtype.element_ty, INTERPRET)
             _store(o_ptr + t * stride_ot + h * stride_oh + offs_v, o, v_ok, PAD)
-        _store(s_ptrs, small_ops._to(S, state_ptr.dtype.element_ty, INTERPRET), s_ok, PAD)
+        _store(s_ptrs, small_ops._to_state(S, state_ptr.dtype.element_ty, INTERPRET), s_ok, PAD)
 
 
 @triton.jit

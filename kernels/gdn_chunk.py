@@ -282,7 +282,7 @@ def _chunk_state_kernel(
         g_last = g_next
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    S = small_ops._to(S, state_ptr.dtype.element_ty, INTERPRET)
+    S = small_ops._to_state(S, state_ptr.dtype.element_ty, INTERPRET)
     if PAD:
         tl.store(s_ptrs, S, mask=k_ok[:, None] & v_ok[None, :])
     else:

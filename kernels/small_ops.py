@@ -37,6 +37,16 @@ def _to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _to_state(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_to` for a stored recurrent state: fp16 saturates at +-65504 instead of overflowing to inf (a
+    clipped state stays finite for the output lock to judge; an inf one would turn every later token to
+    NaN)."""
+    if dtype == tl.float16:
+        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0)
+    return _to(x, dtype, INTERPRET)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,  #
     D, eps,  #

@@ -58,21 +58,22 @@ def test_teacher_forced_logits_match_the_fp32_reference(preset, quant):
     assert result.prefill_rel_l2 <= 1.5 * result.bf16_reference_rel_l2 + 2e-3, result
 
 
-def test_bf16_deltanet_state_halves_its_bytes_and_stays_accurate():
-    """The `deltanet_state=bfloat16` option: the recurrent pools in bf16 (half the bytes of a slot's
-    DeltaNet state) and the teacher-forced logits still within the issue's limits."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_deltanet_state_halves_its_bytes_and_stays_accurate(dtype):
+    """The `deltanet_state=bfloat16|float16` options: the recurrent pools in 16 bits (half the bytes of a
+    slot's DeltaNet state) and the teacher-forced logits still within the issue's limits."""
     cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
-    km16 = KernelModel(cfg, dict(ref.weights), deltanet_state=torch.bfloat16)
+    km16 = KernelModel(cfg, dict(ref.weights), deltanet_state=dtype)
     state = km16.new_state(2, 8)
-    assert {t.dtype for t in state.recurrent if t is not None} == {torch.bfloat16}
+    assert {t.dtype for t in state.recurrent if t is not None} == {dtype}
     rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     deltanet_layers = sum(kind != "full_attention" for kind in cfg.layer_types)
     assert km.slot_bytes(8) - km16.slot_bytes(8) == 2 * rec * deltanet_layers
     # one 70-token sequence: the chunked DeltaNet prefill, then the decode path
     result = engine_exactness(km16, ref, _random_prompts(cfg.vocab_size, [70]), decode_tail=4)
     assert max(result.prefill_rel_l2, result.decode_rel_l2) <= 2e-2 and result.prefill_top1 >= 0.95, result
-    with pytest.raises(ValueError, match="deltanet_state: expected float32 or bfloat16"):
-        KernelModel(cfg, dict(ref.weights), deltanet_state=torch.float16)
+    with pytest.raises(ValueError, match="deltanet_state: expected one of float32, bfloat16, float16"):
+        KernelModel(cfg, dict(ref.weights), deltanet_state=torch.float64)
 
 
 @pytest.mark.parametrize("preset,quant", [("tiny-qwen3.5-moe", "mixed"), ("tiny-qwen3-moe", "nvfp4")])
@@ -390,10 +391,10 @@ def test_demo_job_on_the_gpu_matches_the_reference_engine(tmp_path):
 
 
 def test_deltanet_state_engine_argument_is_checked():
-    with pytest.raises(ConfigError, match="deltanet_state='fp16': expected float32 or bfloat16"):
+    with pytest.raises(ConfigError, match="deltanet_state='fp16': expected one of float32, bfloat16, float1"):
         load_engine(DEMO, device="cpu", engine="fast", deltanet_state="fp16")
-    with pytest.raises(ConfigError, match="deltanet_state=bfloat16 applies to the fast engine"):
-        load_engine(DEMO, device="cpu", engine="reference", deltanet_state="bfloat16")
+    with pytest.raises(ConfigError, match="deltanet_state=float16 applies to the fast engine"):
+        load_engine(DEMO, device="cpu", engine="reference", deltanet_state="float16")
 
 
 def test_kv_cache_engine_argument_is_checked():

@@ -60,7 +60,7 @@ def test_gated_delta_rule_prefill(monkeypatch, Hk, Hv, D):
 
 
 @pytest.mark.parametrize("D", [32, 48])
-@pytest.mark.parametrize("state_dtype,tol", [(torch.float32, 1e-4), (BF16, 1e-2)])
+@pytest.mark.parametrize("state_dtype,tol", [(torch.float32, 1e-4), (BF16, 1e-2), (torch.float16, 2e-3)])
 def test_gated_delta_rule_decode(monkeypatch, state_dtype, tol, D):
     poison_empty(monkeypatch)
     Hk, Hv, B = 2, 4, 3
@@ -77,6 +77,25 @@ def test_gated_delta_rule_decode(monkeypatch, state_dtype, tol, D):
     assert rel_err(state[slots], ref_final) < tol
     others = torch.tensor([0, 3], device=DEV)
     assert torch.equal(state[others], before[others])  # no write past a slot's [Hv, D, D] block
+
+
+def test_fp16_state_saturates_instead_of_overflowing(monkeypatch):
+    """An fp16 state whose update passes 65504 is stored clipped to +-65504, never inf (which would turn
+    every later token of the sequence to NaN); entries in range are stored as the fp32 math gives them."""
+    poison_empty(monkeypatch)
+    Hk, Hv, D = 1, 2, 16
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(1, Hk, Hv, D, D)
+    v = v * 4e5  # delta ~ 1e5 * beta, added onto a state near the fp16 limit
+    A_log = torch.full((Hv,), -20.0, device=DEV)  # exp(g) = 1: no decay
+    state = (torch.rand(1, Hv, D, D) * 6e4).to(torch.float16).to(DEV)
+    init = state.clone()
+    gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, torch.tensor([0], device=DEV))
+    _, ref_final = gated_delta_rule_ref(
+        q, k, v, a, b, A_log, dt_bias, torch.tensor([0, 1], dtype=torch.int32), initial_state=init
+    )
+    assert (ref_final.abs() > 65504).any()  # the case this test is for
+    assert torch.isfinite(state).all()
+    assert rel_err(state, ref_final.clamp(-65504, 65504)) < 2e-3
 
 
 @pytest.mark.parametrize("D", [16, 48])

@@ -107,11 +107,13 @@ def test_fla_core_computes_the_same_rule_gpu():
     assert rel_err(theirs, ours) < 1e-2 and rel_err(final, state) < 1e-2
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_later_pieces_continue_from_the_slot_state(monkeypatch, chunked):
+def test_later_pieces_continue_from_the_slot_state(monkeypatch, chunked, state_dtype):
     """Chunked prefill: a 40-token sequence as 29 + 11 tokens (the second piece with `past` > 0 starts from
     its slot's state), beside a fresh sequence in the second pass whose stale slot state must not leak in;
-    outputs and final states as the whole sequences give. Both prefill kernels (chunked and token loop)."""
+    outputs and final states as the whole sequences give. Both prefill kernels (chunked and token loop),
+    on the fp32 state and on the 16-bit one that round-trips between the pieces."""
     poison_empty(monkeypatch)
     D, Hv = 32, 4
     cu_full = torch.tensor([0, 40, 63], dtype=torch.int32, device=DEV)
@@ -127,7 +129,7 @@ def test_later_pieces_continue_from_the_slot_state(monkeypatch, chunked):
             return chunk_gated_delta_rule(*x, A_log, dt_bias, state, slots, cu, longest, past=past)
         return gated_delta_rule(*x, A_log, dt_bias, state, slots, cu_seqlens=cu, past=past)
 
-    state = torch.full((3, Hv, D, D), float("nan"), device=DEV)  # slot 2's stale state: NaN
+    state = torch.full((3, Hv, D, D), float("nan"), dtype=state_dtype, device=DEV)  # slot 2's stale state
     first = run(list(range(29)), [0, 29], [0], None, 29)
     second = run(list(range(29, 63)), [0, 11, 34], [0, 2], [29, 0], 23)
     assert rel_err(torch.cat([first, second]), ref) < 1e-2

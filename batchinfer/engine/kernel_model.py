@@ -18,9 +18,9 @@ State lives in per-slot pools preallocated by the caller (`SlotState`): the KV c
 `[slots, Hkv, max_len, Dh]` per attention layer (bf16, or FP8 with a scale per token and head when asked,
 `kv_cache`: half the bytes, at some accuracy; `kernels/kv_cache.py`), conv state `[slots, K - 1, C]`
 and recurrent state `[slots, Hv, Dk, Dv]` per DeltaNet layer, fp32 as the checkpoints' `mamba_ssm_dtype`
-says, or bf16 when asked (`deltanet_state`): half the bytes a decode step moves through the delta rule
-and half the slot memory, at some accuracy (the kernels compute in fp32 and round the state when they
-store it).
+says, or bf16 / fp16 when asked (`deltanet_state`): half the bytes a decode step moves through the delta
+rule and half the slot memory, at some accuracy (the kernels compute in fp32 and round the state when
+they store it; fp16 keeps 3 more mantissa bits than bf16 and saturates at +-65504).
 The residual stream is kept in fp32 (`RESIDUAL`), where HF rounds it to bf16 at every layer: that
 rounding is most of a bf16 forward's drift from fp32, and costs 2 bytes a hidden value more.
 Two forwards: `prefill` runs whole prompts packed (`cu_seqlens`), each from an empty slot; `decode` runs
@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from batchinfer.models.layers import Linear
 
 RESIDUAL = torch.float32  # dtype of the residual stream
+# `deltanet_state` choices: the recurrent state pools' dtype
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
 # Prompts at most this long run the token-recurrent DeltaNet prefill; longer ones the chunked kernel.
@@ -145,7 +147,7 @@ class SlotState:
     k: list[torch.Tensor | None]  # [slots, Hkv, max_len, Dh] bf16 (or float8_e4m3fn, `kv_cache`)
     v: list[torch.Tensor | None]
     conv: list[torch.Tensor | None]  # [slots, K - 1, conv_dim] bf16
-    recurrent: list[torch.Tensor | None]  # [slots, Hv, Dk, Dv] fp32 (or bf16, `deltanet_state`)
+    recurrent: list[torch.Tensor | None]  # [slots, Hv, Dk, Dv] fp32 (or bf16 / fp16, `deltanet_state`)
     k_scale: list[torch.Tensor | None]  # [slots, Hkv, max_len] fp32 with an FP8 cache, else None
     v_scale: list[torch.Tensor | None]
 
@@ -191,8 +193,9 @@ class KernelModel:
         deltanet_state: torch.dtype = torch.float32,
         kv_cache: torch.dtype = torch.bfloat16,
     ) -> None:
-        if deltanet_state not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"deltanet_state: expected float32 or bfloat16, got {deltanet_state}")
+        if deltanet_state not in STATE_DTYPES.values():
+            choices = ", ".join(STATE_DTYPES)
+            raise ValueError(f"deltanet_state: expected one of {choices}, got {deltanet_state}")
         if kv_cache not in (torch.bfloat16, torch.float8_e4m3fn):
             raise ValueError(f"kv_cache: expected bfloat16 or float8_e4m3fn, got {kv_cache}")
         self.deltanet_state = deltanet_state

@@ -18,7 +18,7 @@ from batchinfer.engine.fast import (
     FastGenerator,
 )
 from batchinfer.engine.gpu import FastEngine
-from batchinfer.engine.kernel_model import KernelModel
+from batchinfer.engine.kernel_model import STATE_DTYPES, KernelModel
 from batchinfer.engine.reference import DEFAULT_MAX_BATCH_SIZE, ReferenceEngine, context_limit
 from batchinfer.errors import ConfigError
 from batchinfer.kernels.kv_cache import KV_DTYPES
@@ -90,8 +90,8 @@ def load_engine(
     yardstick) and bfloat16 on GPU. `max_model_len` lowers the context limit below
     `max_position_embeddings`. `max_batch_size` is the reference engine's batch, `max_slots` the fast
     engine's cap on concurrent sequences (it also fits them to free memory). `deltanet_state` (fast
-    engine, Qwen3.5/3.6): `float32` (the checkpoints' own) or `bfloat16` recurrent state. `kv_cache` (fast
-    engine): `bfloat16` or `fp8` (E4M3 with a scale per token and head: half the KV bytes).
+    engine, Qwen3.5/3.6): `float32` (the checkpoints' own), `bfloat16` or `float16` recurrent state.
+    `kv_cache` (fast engine): `bfloat16` or `fp8` (E4M3 with a scale per token and head: half the KV bytes).
     `prefill_tokens` and `refill_fraction` (fast engine): prompt tokens a prefill pass, and the fraction
     of the slots that must be free before waiting prompts are prefilled; `prefill_graph_tokens` (fast
     engine): a lone fresh prompt of up to that many tokens is prefilled by a CUDA graph, 0 never
@@ -128,10 +128,14 @@ def load_engine(
             f"engine=fast runs Triton kernels and needs a CUDA device, got device {device!r} "
             "(engine=reference runs anywhere; TRITON_INTERPRET=1 interprets the kernels on a CPU, for tests)"
         )
-    if deltanet_state not in ("float32", "bfloat16"):
-        raise ConfigError(f"engine argument deltanet_state={deltanet_state!r}: expected float32 or bfloat16")
+    if deltanet_state not in STATE_DTYPES:
+        raise ConfigError(
+            f"engine argument deltanet_state={deltanet_state!r}: expected one of {', '.join(STATE_DTYPES)}"
+        )
     if deltanet_state != "float32" and not fast:
-        raise ConfigError("engine argument deltanet_state=bfloat16 applies to the fast engine (engine=fast)")
+        raise ConfigError(
+            f"engine argument deltanet_state={deltanet_state} applies to the fast engine (engine=fast)"
+        )
     if kv_cache not in KV_DTYPES:
         raise ConfigError(f"engine argument kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
     if kv_cache != "bfloat16" and not fast:
@@ -167,7 +171,7 @@ def load_engine(
     if fast:
         QwenMoeModel(config, weights, dtype=torch_dtype)  # the same checks of names and shapes
         kernel_model = KernelModel(
-            config, weights, deltanet_state=DTYPES[deltanet_state], kv_cache=KV_DTYPES[kv_cache]
+            config, weights, deltanet_state=STATE_DTYPES[deltanet_state], kv_cache=KV_DTYPES[kv_cache]
         )
         generator = FastGenerator(
             kernel_model,
