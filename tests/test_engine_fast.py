@@ -332,6 +332,14 @@ def test_prepare_sizes_the_pools_once_for_a_whole_workload():
     assert state is not None and gen._slots == 3 and state.max_len == 40
     out = gen.generate(_random_prompts(cfg.vocab_size, [5, 7]), [SamplingParams(max_tokens=2)] * 2)
     assert [len(o.token_ids) for o in out] == [2, 2] and gen._state is state
+    # More requests than fit (on a CPU the cap is 64 slots, as free memory caps them on a GPU): the capped
+    # pools are kept by every later call of the same needs, not freed and planned again to the same size.
+    gen.prepare(100, 40)
+    state = gen._state
+    assert gen._slots == 64 and state is not None
+    gen.prepare(100, 40)
+    gen.prepare(80, 30)
+    assert gen._state is state
 
 
 def test_bad_prompts_are_refused_with_their_index():

@@ -105,6 +105,7 @@ class FastGenerator:
         self._state: SlotState | None = None
         self._slots = 0
         self._max_len = 0
+        self._capped = False  # the pools hold fewer slots than asked: memory (or the CPU cap) limited them
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, _PrefillGraph] = {}
         self._pool = None
@@ -152,10 +153,14 @@ class FastGenerator:
 
     def _ensure_state(self, n: int, max_len: int) -> int:
         """Pools for at least min(n, what fits) slots of `max_len` tokens; returns the slot count to use."""
-        if self._state is not None and self._max_len >= max_len and self._slots >= min(n, self.max_slots):
+        wanted = min(n, self.max_slots)
+        # Pools capped by memory stay: planning again for the same lengths would fit no more slots and
+        # only free, reallocate and recapture every graph (inside a timed run, and in every later call).
+        if self._state is not None and self._max_len >= max_len and (self._slots >= wanted or self._capped):
             return self._slots
         self.release()
         slots = self._plan_slots(n, max_len)
+        self._capped = slots < wanted
         self._state = self.model.new_state(slots + 1, max_len)  # slot `slots` is the padding scratch
         self._slots, self._max_len = slots, max_len
         dev = self.device
