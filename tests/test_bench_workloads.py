@@ -243,9 +243,10 @@ def test_cli_schedule_defaults_are_the_engines():
     import inspect
 
     from batchinfer.cli.bench import run
-    from batchinfer.engine.fast import PREFILL_TOKENS, REFILL_FRACTION, FastGenerator
+    from batchinfer.engine.fast import MAX_SLOTS, PREFILL_TOKENS, REFILL_FRACTION, FastGenerator
 
     params = {p.name: p.default for p in run.params}
     assert (params["prefill_tokens"], params["refill_fraction"]) == (PREFILL_TOKENS, REFILL_FRACTION)
+    assert params["max_slots"] == MAX_SLOTS
     graphs = inspect.signature(FastGenerator).parameters["prefill_graph_tokens"].default
     assert params["prefill_graph_tokens"] == graphs

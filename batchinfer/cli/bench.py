@@ -170,7 +170,11 @@ def breakdown_cmd(
     "--max-batch-size", default=16, show_default=True, type=int, help="Reference engine batch rows."
 )
 @click.option(
-    "--max-slots", default=512, show_default=True, type=int, help="Fast engine: most sequences at once."
+    "--max-slots",
+    default=1024,  # engine.fast.MAX_SLOTS (not imported: --help stays free of torch)
+    show_default=True,
+    type=int,
+    help="Fast engine: most sequences at once (free memory caps them too).",
 )
 @click.option(
     "--deltanet-state",
