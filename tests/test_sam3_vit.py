@@ -11,6 +11,7 @@ from batchinfer.sam3.vit import (
     Neck,
     apply_rope,
     axial_rope,
+    patch_embed_gemm,
     sine_position_2d,
     tiled_pos_embed,
     window_partition,
@@ -135,3 +136,28 @@ def test_neck_shapes_at_real_config_on_meta():
         neck = Neck(Sam3Config.real())
         levels = neck(torch.empty(1, 3, 1008, 1008))
     assert [tuple(t.shape) for t in levels] == [(1, 256, 288, 288), (1, 256, 144, 144), (1, 256, 72, 72)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_patch_embed_gemm_is_the_strided_conv(dtype, tol):
+    """The CUDA bf16 path's GEMM patch embedding against the conv it replaces, channels last, on sides
+    that are not a multiple of the patch (the conv drops the remainder) and a K of 3 x 5 x 5 = 75 (padded
+    to 80)."""
+    images = torch.randn(2, 3, 33, 27, dtype=dtype)
+    weight = torch.randn(16, 3, 5, 5, dtype=dtype) * 0.1
+    expected = F.conv2d(images.float(), weight.float(), stride=5).permute(0, 2, 3, 1)
+    out = patch_embed_gemm(images, weight)
+    assert out.shape == (2, 6, 5, 16) and out.dtype == dtype and out.is_contiguous()
+    assert ((out.float() - expected).norm() / expected.norm()).item() < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_patch_embed_gemm_real_shape_gpu():
+    config = Sam3Config()
+    p, dev = config.patch_size, torch.device("cuda")
+    images = torch.rand(2, 3, 1008, 1008, device=dev, dtype=torch.bfloat16) * 2 - 1
+    weight = torch.randn(config.vit_dim, 3, p, p, device=dev, dtype=torch.bfloat16) * 0.02
+    expected = F.conv2d(images.float(), weight.float(), stride=p).permute(0, 2, 3, 1)
+    out = patch_embed_gemm(images, weight)
+    assert out.shape == expected.shape and ((out.float() - expected).norm() / expected.norm()).item() < 1e-2

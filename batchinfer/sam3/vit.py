@@ -7,7 +7,8 @@ axial RoPE to q and k: the first half of the rotated pairs carries the token's c
 half its row (y); global blocks scale positions by window/grid so they span the same range as a
 window (Meta's `use_interp_rope`). The MLP uses the exact erf GELU of Meta's Nov-2025 code (timm `Mlp`),
 not the bf16 tanh GELU of the Mar-2026 SAM 3.1 code; the reference is fp32/bf16 PyTorch. The CUDA bf16 path
-(`Block.forward_fused`) takes the tanh form, fused into fc1's GEMM.
+(`Block.forward_fused`) takes the tanh form, fused into fc1's GEMM, and embeds the patches with one GEMM
+(`patch_embed_gemm`) in place of cuDNN's conv.
 """
 
 from __future__ import annotations
@@ -170,7 +171,10 @@ class ViT(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         """images [B, 3, S, S] normalised to [-1, 1] -> features [B, D, S/p, S/p] of the last block."""
-        x = self.patch_embed.proj(images).permute(0, 2, 3, 1)  # [B, h, w, D]
+        if images.is_cuda and images.dtype != torch.float32:
+            x = patch_embed_gemm(images, self.patch_embed.proj.weight)
+        else:
+            x = self.patch_embed.proj(images).permute(0, 2, 3, 1)  # [B, h, w, D]
         x = x + tiled_pos_embed(self.pos_embed, x.shape[1], x.shape[2])
         x = self.ln_pre(x)
         for block in self.blocks:
@@ -178,12 +182,30 @@ class ViT(nn.Module):
         return x.permute(0, 3, 1, 2)
 
 
+def patch_embed_gemm(images: Tensor, weight: Tensor) -> Tensor:
+    """The patch embedding (a p x p conv of stride p, no bias, `weight [D, C, p, p]`) as one GEMM over the
+    unfolded patches: images [B, C, S1, S2] -> [B, S1 // p, S2 // p, D], channels last as the blocks take
+    it. For 3 input channels cuDNN runs a non-tensor-core kernel in bf16 (5.4 of the model's 240 ms for
+    16 images on the H200, session 16). K = C p^2 is zero-padded to a multiple of 8 (SAM 3: 588 -> 592)
+    so cuBLAS gets 16-byte aligned rows."""
+    d, c, p, _ = weight.shape
+    b, _, s1, s2 = images.shape
+    h, w = s1 // p, s2 // p
+    k = c * p * p
+    k_pad = -(-k // 8) * 8
+    patches = images.new_zeros(b, h, w, k_pad)
+    unfolded = images[:, :, : h * p, : w * p].reshape(b, c, h, p, w, p).permute(0, 2, 4, 1, 3, 5)
+    patches[..., :k].view(b, h, w, c, p, p).copy_(unfolded)
+    weight = F.pad(weight.reshape(d, k).to(images.dtype), (0, k_pad - k))
+    return (patches.view(-1, k_pad) @ weight.t()).view(b, h, w, d)
+
+
 def tiled_pos_embed(pos_embed: Tensor, h: int, w: int) -> Tensor:
     """Drop the cls row of [1, 1 + P*P, D] and tile the P x P grid over h x w (Meta's `tile_abs_pos`)."""
     grid = pos_embed[:, 1:]
     p = math.isqrt(grid.shape[1])
     grid = grid.reshape(1, p, p, -1)
-    return grid.repeat(1, h // p + 1, w // p + 1, 1)[:, :h, :w]
+    return grid.repeat(1, h // p + 1, w // p + 1, 1)[:, :h, :w].contiguous()  # a vectorized add after
 
 
 def sine_position_2d(d_model: int, h: int, w: int, device: torch.device) -> Tensor:
