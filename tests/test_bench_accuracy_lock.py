@@ -10,6 +10,7 @@ from batchinfer.bench.accuracy_lock import (
     TOL_STD,
     accuracy_lock,
     check_positions,
+    lock_groups,
     repeat_stretches,
     sample_indices,
 )
@@ -46,9 +47,9 @@ def test_check_positions_gap_in_std_units():
 def _fake_reference(monkeypatch, rows: list[torch.Tensor]):
     """teacher_forcing_logits replaced by fixed logits for the generated positions (prompt of 1 token)."""
 
-    def fake(model, sequences):
-        assert len(sequences) == 1
-        return [rows.pop(0)]
+    def fake(model, sequences, starts):
+        assert starts == [0] * len(sequences)  # prompts of one token: every position is a generated one
+        return [rows.pop(0) for _ in sequences]
 
     monkeypatch.setattr(lock_mod, "teacher_forcing_logits", fake)
 
@@ -101,3 +102,35 @@ def test_empty_output_fails(monkeypatch):
     _fake_reference(monkeypatch, [])
     res = accuracy_lock(None, [[0, 1]], [[]])
     assert not res.passed and res.failures == ["request 0: no generated tokens"]
+
+
+def test_lock_groups_keep_within_both_budgets(monkeypatch):
+    monkeypatch.setattr(lock_mod, "LOCK_LOGIT_ROWS", 100)
+    monkeypatch.setattr(lock_mod, "LOCK_TOKENS", 400)
+    # (tokens, generated): rows 60 + 30 fit, + 20 would pass 100; 3 x 150 tokens would pass 400;
+    # a sequence over a budget alone gets its own forward
+    lens = [(100, 60), (120, 30), (50, 20), (150, 10), (150, 10), (150, 10), (900, 500), (10, 5)]
+    assert lock_groups(lens) == [[0, 1], [2, 3], [4, 5], [6], [7]]
+    assert lock_groups([]) == []
+
+
+def test_grouped_lock_judges_as_one_sequence_a_forward(monkeypatch):
+    """The lock on the tiny reference model: several sequences a forward give the same verdict and
+    figures as one a forward (the figures within fp32 rounding of differently batched GEMMs)."""
+    from models_tiny import VOCAB, hf_canonical, hf_model
+
+    from batchinfer.models.qwen_moe import QwenMoeModel
+
+    config, weights = hf_canonical(hf_model("qwen3_5_moe"))
+    model = QwenMoeModel(config, weights)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 70, 12, 1)]
+    outputs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 3, 66, 20)]
+    grouped = accuracy_lock(model, prompts, outputs, sample=4)
+    monkeypatch.setattr(lock_mod, "LOCK_LOGIT_ROWS", 1)
+    assert lock_groups([(80, 9), (72, 3)]) == [[0], [1]]
+    alone = accuracy_lock(model, prompts, outputs, sample=4)
+    assert grouped.positions == alone.positions == 98
+    assert grouped.top1_agreement == alone.top1_agreement and grouped.failures == alone.failures
+    assert grouped.max_gap_std == pytest.approx(alone.max_gap_std, rel=1e-4)
+    assert not grouped.passed  # random outputs are far from the reference's choices

@@ -175,3 +175,16 @@ def test_gpu_matches_cpu(pair):
     config, weights = hf_canonical(hf, dtype=torch.bfloat16)
     low = QwenMoeModel(config, {n: w.to("cuda") for n, w in weights.items()})
     assert [len(o.token_ids) for o in generate(low, sequences, params)] == [16, 16]
+
+
+def test_teacher_forcing_from_a_start_is_the_tail_of_the_full_logits(pair):
+    _, _, ours = pair
+    sequences = _sequences(LENGTHS, seed=5)
+    starts = [3, 64, 0, 0]
+    full = teacher_forcing_logits(ours, sequences)
+    tails = teacher_forcing_logits(ours, sequences, starts)
+    for f, t, start, s in zip(full, tails, starts, sequences, strict=True):
+        assert t.shape == (len(s) - start, VOCAB) and t.dtype == torch.float32
+        torch.testing.assert_close(t, f[start:], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="sequence 3: start 1 outside its 1 positions"):
+        teacher_forcing_logits(ours, sequences, [0, 0, 0, 1])

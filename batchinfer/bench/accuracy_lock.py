@@ -43,6 +43,11 @@ MAX_PERIOD = 8
 MIN_REPEAT = 32
 EXCUSE_AGREEMENT = 0.9
 _MAX_LISTED = 5
+# A teacher-forcing forward takes sampled sequences until it would return more logit rows or run more
+# padded tokens than these: the reference dequantizes every weight once a forward, which made one forward
+# per sequence most of the lock's time (~80 s for 16 sequences of Qwen3.6's `offline`, H200, session 16).
+LOCK_LOGIT_ROWS = 2048  # fp32 [rows, V]: 2 GB at Qwen3.6's V = 248,320
+LOCK_TOKENS = 32768
 
 
 class AccuracyLockError(BatchinferError):
@@ -104,6 +109,48 @@ def check_positions(logits: torch.Tensor, tokens: Sequence[int]) -> tuple[torch.
     return gap.cpu(), (top.indices == t).cpu()
 
 
+def lock_groups(lens: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Consecutive groups of the sampled sequences, `lens[i] = (tokens, generated)`, one teacher-forcing
+    forward each: within LOCK_LOGIT_ROWS generated rows and LOCK_TOKENS padded tokens (a sequence over
+    either alone still gets a forward of its own)."""
+    groups: list[list[int]] = []
+    rows = longest = 0
+    for i, (tokens, generated) in enumerate(lens):
+        if (
+            groups
+            and rows + generated <= LOCK_LOGIT_ROWS
+            and (len(groups[-1]) + 1) * max(longest, tokens) <= LOCK_TOKENS
+        ):
+            groups[-1].append(i)
+            rows, longest = rows + generated, max(longest, tokens)
+        else:
+            groups.append([i])
+            rows, longest = generated, tokens
+    return groups
+
+
+def _judge(
+    i: int, out: list[int], gap: torch.Tensor, top1: torch.Tensor, failures: list[str], repeats: list[str]
+) -> bool:
+    """Record request i's tokens off tolerance and its repeat stretches; True when a stretch is degenerate."""
+    for pos in (gap > TOL_STD).nonzero()[:, 0].tolist():
+        if len(failures) < _MAX_LISTED:
+            failures.append(
+                f"request {i} output token {pos}: id {out[pos]} is {float(gap[pos]):.3f} std below the "
+                f"reference's best (tolerance {TOL_STD})"
+            )
+    degenerate = False
+    for start, end, period in repeat_stretches(out):
+        agreement = float(top1[start:end].float().mean())
+        excused = agreement >= EXCUSE_AGREEMENT
+        degenerate |= not excused
+        repeats.append(
+            f"request {i} output tokens {start}..{end - 1}: period {period}, reference argmax agrees at "
+            f"{agreement:.0%} ({'excused' if excused else 'degenerate'})"
+        )
+    return degenerate
+
+
 def accuracy_lock(
     reference: QwenMoeModel,
     prompts: Sequence[Sequence[int]],
@@ -111,37 +158,27 @@ def accuracy_lock(
     sample: int = MIN_SAMPLE,
 ) -> LockResult:
     """Teacher-force a sample of (prompt, generated) pairs through `reference` and judge every generated
-    token (module docstring). One sequence at a time, so only one `[T, V]` logit block is alive."""
+    token (module docstring). Several sequences a forward (`lock_groups`), logits of the generated
+    positions only."""
     indices = sample_indices(len(prompts), max(sample, MIN_SAMPLE))
-    failures: list[str] = []
+    failures = [f"request {i}: no generated tokens" for i in indices if not outputs[i]]
     repeats: list[str] = []
     positions, agree, worst = 0, 0, 0.0
     degenerate = False
-    for i in indices:
-        prompt, out = list(prompts[i]), list(outputs[i])
-        if not out:
-            failures.append(f"request {i}: no generated tokens")
-            continue
-        (logits,) = teacher_forcing_logits(reference, [prompt + out[:-1]])
-        gap, top1 = check_positions(logits[len(prompt) - 1 :], out)
+    checked = [i for i in indices if outputs[i]]
+    lens = [(len(prompts[i]) + len(outputs[i]) - 1, len(outputs[i])) for i in checked]
+    for group in lock_groups(lens):
+        rows = [checked[g] for g in group]
+        seqs = [list(prompts[i]) + list(outputs[i])[:-1] for i in rows]
+        logits = teacher_forcing_logits(reference, seqs, [len(prompts[i]) - 1 for i in rows])
+        for i, row_logits in zip(rows, logits, strict=True):
+            out = list(outputs[i])
+            gap, top1 = check_positions(row_logits, out)
+            positions += len(out)
+            degenerate |= _judge(i, out, gap, top1, failures, repeats)
+            agree += int(top1.sum())
+            worst = max(worst, float(gap.max()))
         del logits
-        positions += len(out)
-        agree += int(top1.sum())
-        worst = max(worst, float(gap.max()))
-        for pos in (gap > TOL_STD).nonzero()[:, 0].tolist():
-            if len(failures) < _MAX_LISTED:
-                failures.append(
-                    f"request {i} output token {pos}: id {out[pos]} is {float(gap[pos]):.3f} std below the "
-                    f"reference's best (tolerance {TOL_STD})"
-                )
-        for start, end, period in repeat_stretches(out):
-            agreement = float(top1[start:end].float().mean())
-            excused = agreement >= EXCUSE_AGREEMENT
-            degenerate |= not excused
-            repeats.append(
-                f"request {i} output tokens {start}..{end - 1}: period {period}, reference argmax agrees at "
-                f"{agreement:.0%} ({'excused' if excused else 'degenerate'})"
-            )
     off_tolerance = worst > TOL_STD or any("no generated" in f for f in failures)
     result = LockResult(
         passed=not off_tolerance and not degenerate,

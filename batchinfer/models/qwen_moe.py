@@ -90,12 +90,14 @@ class QwenMoeModel:
         cache: ModelCache,
         n_new: torch.Tensor | Sequence[int] | None = None,
         all_logits: bool = True,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run a right-padded chunk `input_ids [B, T]` with `n_new[b]` real tokens per row (default: T).
 
         Continues each row after the `cache.lengths[b]` tokens already cached and advances the cache.
         Returns logits `[B, T, V]` (padding positions hold garbage), or with `all_logits=False` only each
-        row's last real token's logits `[B, V]`.
+        row's last real token's logits `[B, V]`, or with `logits_at` (bool `[B, T]`) those of the marked
+        positions, packed row by row `[N, V]` (teacher forcing keeps only the rows it checks).
         """
         c = self.config
         B, T = input_ids.shape
@@ -126,7 +128,13 @@ class QwenMoeModel:
             h = rms_norm(x[real], lw["post_attention_layernorm"], eps, one_plus)  # [N, D] real tokens only
             x[real] = x[real] + sparse_moe(h, lw, self._experts[i], c, self._shared[i])
         cache.lengths = start + n_new
-        if not all_logits:
+        if logits_at is not None:
+            if logits_at.shape != (B, T) or logits_at.dtype != torch.bool:
+                raise ValueError(
+                    f"logits_at: expected bool [{B}, {T}], got {logits_at.dtype} {tuple(logits_at.shape)}"
+                )
+            x = x[logits_at.to(self.device)]  # [N, D]
+        elif not all_logits:
             x = x[torch.arange(B, device=self.device), n_new - 1]  # [B, D]
         return linear(rms_norm(x, self.weights["norm"], eps, one_plus), self.weights["lm_head"])
 
