@@ -44,8 +44,9 @@ MIN_REPEAT = 32
 EXCUSE_AGREEMENT = 0.9
 _MAX_LISTED = 5
 # A teacher-forcing forward takes sampled sequences until it would return more logit rows or run more
-# padded tokens than these: the reference dequantizes every weight once a forward, which made one forward
-# per sequence most of the lock's time (~80 s for 16 sequences of Qwen3.6's `offline`, H200, session 16).
+# padded tokens than these. The reference dequantizes every weight once a forward (40 layers x 256
+# experts x 3 matrices on Qwen3.6), and one forward a sequence took the lock ~80 s on Qwen3.6's `offline`
+# (H200, session 16); how much of that the grouping saves is not measured yet.
 LOCK_LOGIT_ROWS = 2048  # fp32 [rows, V]: 2 GB at Qwen3.6's V = 248,320
 LOCK_TOKENS = 32768
 
