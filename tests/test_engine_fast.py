@@ -329,14 +329,14 @@ def test_prepare_sizes_the_pools_once_for_a_whole_workload():
     gen = FastGenerator(km)
     gen.prepare(3, 40)
     state = gen._state
-    assert state is not None and gen._slots == 3 and state.max_len == 40
+    assert state is not None and gen.slots == 3 and state.max_len == 40
     out = gen.generate(_random_prompts(cfg.vocab_size, [5, 7]), [SamplingParams(max_tokens=2)] * 2)
     assert [len(o.token_ids) for o in out] == [2, 2] and gen._state is state
     # More requests than fit (on a CPU the cap is 64 slots, as free memory caps them on a GPU): the capped
     # pools are kept by every later call of the same needs, not freed and planned again to the same size.
     gen.prepare(100, 40)
     state = gen._state
-    assert gen._slots == 64 and state is not None
+    assert gen.slots == 64 and state is not None
     gen.prepare(100, 40)
     gen.prepare(80, 30)
     assert gen._state is state

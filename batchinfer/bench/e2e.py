@@ -97,6 +97,7 @@ class FastTokenEngine:
             "device": str(g.device),
             "dtype": "bfloat16",
             "max_slots": str(g.max_slots),
+            "slots": str(g.slots),  # as the last run planned them
             "prefill_tokens": str(g.prefill_tokens),
             "refill_fraction": str(g.refill_fraction),
             "prefill_graph_tokens": str(g.prefill_graph_tokens),

@@ -115,6 +115,12 @@ class FastGenerator:
         self.stats: dict[str, int] = {"prefill_passes": 0, "decode_steps": 0, "graph_captures": 0}
         self.batch_sizes: list[int] = []
 
+    @property
+    def slots(self) -> int:
+        """Slots of the current pools: `max_slots`, or fewer where free memory or the requests capped them
+        (0 before the first call)."""
+        return self._slots
+
     def release(self) -> None:
         """Free the state pools and captured graphs (the next `generate` allocates them again)."""
         self._state = None
