@@ -40,9 +40,9 @@ def _to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 def _to_state(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """`_to` for a stored recurrent state: fp16 saturates at +-65504 instead of overflowing to inf (a
     clipped state stays finite for the output lock to judge; an inf one would turn every later token to
-    NaN)."""
+    NaN). A NaN stays NaN, as the fp32 and bf16 states keep it."""
     if dtype == tl.float16:
-        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0)
+        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
     return _to(x, dtype, INTERPRET)
 
 

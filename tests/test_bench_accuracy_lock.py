@@ -119,6 +119,8 @@ def test_grouped_lock_judges_as_one_sequence_a_forward(monkeypatch):
     figures as one a forward (the figures within fp32 rounding of differently batched GEMMs)."""
     from models_tiny import VOCAB, hf_canonical, hf_model
 
+    from batchinfer.engine.api import SamplingParams
+    from batchinfer.models.generate import generate
     from batchinfer.models.qwen_moe import QwenMoeModel
 
     config, weights = hf_canonical(hf_model("qwen3_5_moe"))
@@ -126,6 +128,18 @@ def test_grouped_lock_judges_as_one_sequence_a_forward(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 70, 12, 1)]
     outputs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 3, 66, 20)]
+    # the reference's own greedy continuations pass with every token its argmax: the logits line up
+    # with the generated tokens in every group
+    greedy = [
+        o.token_ids
+        for o in generate(
+            model, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 3, 66, 20)]
+        )
+    ]
+    own = accuracy_lock(model, prompts, greedy, sample=4)
+    assert own.passed and own.top1_agreement == 1.0 and own.positions == 98 and own.max_gap_std == 0.0
+    shifted = accuracy_lock(model, prompts, [g[1:] + g[:1] for g in greedy], sample=4)  # off by one token
+    assert not shifted.passed and shifted.top1_agreement < 0.9  # tiny-model greedy output loops: some agree
     grouped = accuracy_lock(model, prompts, outputs, sample=4)
     monkeypatch.setattr(lock_mod, "LOCK_LOGIT_ROWS", 1)
     assert lock_groups([(80, 9), (72, 3)]) == [[0], [1]]

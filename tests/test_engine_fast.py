@@ -322,7 +322,7 @@ def test_chunked_prefill_out_of_memory_restores_the_state(monkeypatch, caplog):
     assert "ran out of GPU memory; retrying" in caplog.text
 
 
-def test_prepare_sizes_the_pools_once_for_a_whole_workload():
+def test_prepare_sizes_the_pools_once_for_a_whole_workload(monkeypatch):
     """`prepare` (the benchmark's untimed warm-up) allocates for the whole workload; later calls with
     smaller needs keep the same pools (no reallocation, no graph recapture inside a timed run)."""
     cfg, ref, km = _models("tiny-qwen3-moe", "bf16")
@@ -332,14 +332,34 @@ def test_prepare_sizes_the_pools_once_for_a_whole_workload():
     assert state is not None and gen.slots == 3 and state.max_len == 40
     out = gen.generate(_random_prompts(cfg.vocab_size, [5, 7]), [SamplingParams(max_tokens=2)] * 2)
     assert [len(o.token_ids) for o in out] == [2, 2] and gen._state is state
-    # More requests than fit (on a CPU the cap is 64 slots, as free memory caps them on a GPU): the capped
-    # pools are kept by every later call of the same needs, not freed and planned again to the same size.
+
+    # More requests than fit (free memory, here: 60 slots, 100 below 26 tokens): capped pools are kept
+    # while a new plan, their memory counted as free, would give no more slots; sequences short enough
+    # to fit more get a new plan.
+    monkeypatch.setattr(
+        gen, "_plan_slots", lambda n, max_len, held=0: min(n, gen.max_slots, 60 if max_len > 25 else 100)
+    )
     gen.prepare(100, 40)
     state = gen._state
-    assert gen.slots == 64 and state is not None
+    assert gen.slots == 60 and state is not None
     gen.prepare(100, 40)
     gen.prepare(80, 30)
     assert gen._state is state
+    gen.prepare(100, 20)
+    assert gen._state is not state and gen.slots == 100
+    gen.release()
+    assert gen.slots == 100  # the record of the last plan outlives the pools
+
+
+def test_bench_record_keeps_the_slots_the_run_planned():
+    """`bench run` describes the engine after the run, when its pools are freed again."""
+    from batchinfer.bench.e2e import FastTokenEngine
+
+    cfg, ref, km = _models("tiny-qwen3-moe", "bf16")
+    engine = FastTokenEngine(FastGenerator(km, max_slots=2))
+    prompts = _random_prompts(cfg.vocab_size, [5, 7, 4])
+    engine.generate_ids(prompts, [SamplingParams(max_tokens=2, ignore_eos=True)] * 3, lambda tokens: None)
+    assert engine.generator._state is None and engine.describe()["slots"] == "2"
 
 
 def test_bad_prompts_are_refused_with_their_index():

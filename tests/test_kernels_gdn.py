@@ -96,6 +96,10 @@ def test_fp16_state_saturates_instead_of_overflowing(monkeypatch):
     assert (ref_final.abs() > 65504).any()  # the case this test is for
     assert torch.isfinite(state).all()
     assert rel_err(state, ref_final.clamp(-65504, 65504)) < 2e-3
+    # a NaN in the state is not clipped into a finite value
+    state[0, 0, 0, 0] = float("nan")
+    gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, torch.tensor([0], device=DEV))
+    assert torch.isnan(state[0, 0]).any() and not torch.isnan(state[0, 1]).any()
 
 
 @pytest.mark.parametrize("D", [16, 48])

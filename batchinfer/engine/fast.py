@@ -36,8 +36,9 @@ from batchinfer.models.generate import GenerationOutput, StepCallback
 log = logging.getLogger(__name__)
 
 # Decode batch cap (free memory caps it too). Qwen3.6 `offline`, whole workload, fp16 DeltaNet state on
-# the H200 (session 16): 512 -> 1024 (918 fitted) took 9,828 to 10,715 output tok/s; steps get longer
-# but the weights are read once for twice the tokens.
+# the H200 (session 16): 512 -> 1024 (918 fitted, mean batch 415.6 -> 667.5) took 9,828 to 10,715 output
+# tok/s: longer steps, each reading the weights once for more tokens. Not yet measured on the fp32 state
+# or on `extract`.
 MAX_SLOTS = 1024
 PREFILL_TOKENS = 16384  # prompt tokens per prefill pass
 REFILL_FRACTION = 0.125  # waiting prompts are prefilled once this fraction of the slots is free
@@ -108,7 +109,7 @@ class FastGenerator:
         self._state: SlotState | None = None
         self._slots = 0
         self._max_len = 0
-        self._capped = False  # the pools hold fewer slots than asked: memory (or the CPU cap) limited them
+        self._planned = 0  # slots of the last plan; `release` keeps it for the run's record
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, _PrefillGraph] = {}
         self._pool = None
@@ -117,9 +118,9 @@ class FastGenerator:
 
     @property
     def slots(self) -> int:
-        """Slots of the current pools: `max_slots`, or fewer where free memory or the requests capped them
-        (0 before the first call)."""
-        return self._slots
+        """Slots the last call planned: `max_slots`, or fewer where free memory or the requests capped them
+        (0 before the first call; kept after `release`)."""
+        return self._planned
 
     def release(self) -> None:
         """Free the state pools and captured graphs (the next `generate` allocates them again)."""
@@ -147,10 +148,13 @@ class FastGenerator:
 
     # ---- capacity ----
 
-    def _plan_slots(self, n: int, max_len: int) -> int:
+    def _plan_slots(self, n: int, max_len: int, held: int = 0) -> int:
+        """Slots for `n` requests of `max_len` tokens in free memory plus the `held` bytes of pools that
+        would be freed first."""
         if self.device.type != "cuda":  # the interpreter on a CPU: tests and tiny models
             return min(n, self.max_slots, 64)
         free, total = torch.cuda.mem_get_info(self.device)
+        free += held
         usable = free - MEMORY_RESERVE * total
         fit = int(usable // self.model.slot_bytes(max_len)) - 1  # one scratch slot for graph padding
         if fit < 1:
@@ -162,16 +166,19 @@ class FastGenerator:
 
     def _ensure_state(self, n: int, max_len: int) -> int:
         """Pools for at least min(n, what fits) slots of `max_len` tokens; returns the slot count to use."""
-        wanted = min(n, self.max_slots)
-        # Pools capped by memory stay: planning again for the same lengths would fit no more slots and
-        # only free, reallocate and recapture every graph (inside a timed run, and in every later call).
-        if self._state is not None and self._max_len >= max_len and (self._slots >= wanted or self._capped):
-            return self._slots
+        if self._state is not None and self._max_len >= max_len:
+            if self._slots >= min(n, self.max_slots):
+                return self._slots
+            # Pools that memory capped stay unless a new plan (their bytes freed first) gives more slots:
+            # planning again would otherwise only reallocate and recapture every graph, inside a timed
+            # run and in every later call of a job.
+            held = self.model.slot_bytes(self._max_len) * (self._slots + 1)
+            if self._plan_slots(n, max_len, held) <= self._slots:
+                return self._slots
         self.release()
         slots = self._plan_slots(n, max_len)
-        self._capped = slots < wanted
         self._state = self.model.new_state(slots + 1, max_len)  # slot `slots` is the padding scratch
-        self._slots, self._max_len = slots, max_len
+        self._slots, self._max_len, self._planned = slots, max_len, slots
         dev = self.device
         self._ids = torch.zeros(slots, dtype=torch.int64, device=dev)
         self._pos = torch.zeros(slots, dtype=torch.int32, device=dev)

@@ -185,8 +185,8 @@ class ViT(nn.Module):
 def patch_embed_gemm(images: Tensor, weight: Tensor) -> Tensor:
     """The patch embedding (a p x p conv of stride p, no bias, `weight [D, C, p, p]`) as one GEMM over the
     unfolded patches: images [B, C, S1, S2] -> [B, S1 // p, S2 // p, D], channels last as the blocks take
-    it. For 3 input channels cuDNN runs a non-tensor-core kernel in bf16 (5.4 of the model's 240 ms for
-    16 images on the H200, session 16). K = C p^2 is zero-padded to a multiple of 8 (SAM 3: 588 -> 592)
+    it. For 3 input channels cuDNN runs a non-tensor-core kernel in bf16 (5.4 of the backbone's 184 ms
+    for 16 images on the H200, session 16). K = C p^2 is zero-padded to a multiple of 8 (SAM 3: 588 -> 592)
     so cuBLAS gets 16-byte aligned rows."""
     d, c, p, _ = weight.shape
     b, _, s1, s2 = images.shape
