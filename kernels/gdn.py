@@ -16,9 +16,9 @@ v-tile), from a zero state); `gdn_chunk.chunk_gated_delta_rule` computes the sam
 at a time on tensor cores and is the prefill path for long prompts (measured 2026-11-30: the token
 recurrence takes 3.25 ms for 4 x 1024 tokens). A 16-bit state costs accuracy: emulated on random
 inputs with Mamba-style decays, bf16 outputs drift 2e-3 -> 1.2e-2 relative to the fp32-state path over
-512 steps; fp16 (3 more mantissa bits) stays ~8x closer on the same kind of emulation (2026-12-02,
-1,024 steps: 6-8e-4 for bf16, 7-10e-5 for fp16). fp32 (the checkpoint's `mamba_ssm_dtype`) is the
-default.
+512 steps. A second emulation (2026-12-02, unit keys, 1,024 steps, a scratch script not kept) put bf16
+at 6-8e-4 and fp16 (3 more mantissa bits) at 7-10e-5: ~8x closer. fp32 (the checkpoint's
+`mamba_ssm_dtype`) is the default.
 Head dims: any; one that is not a power of two (the demo model's 48) is padded to the next one with
 zero-filled lanes, masks only in that case, so the power-of-two shapes compile to the code they always did.
 Numerics: all fp32; expected error vs `*_ref` ~1e-3 relative (bf16 inputs/outputs).
