@@ -14,6 +14,7 @@ from batchinfer.bench.accuracy_lock import AccuracyLockError
 from batchinfer.bench.e2e import ReferenceTokenEngine, measure
 from batchinfer.bench.workload_run import build_model, run_benchmark
 from batchinfer.bench.workloads import load_workloads, workload_requests
+from batchinfer.cli import bench as bench_cli
 from batchinfer.cli import cli
 from batchinfer.errors import ConfigError
 
@@ -246,7 +247,44 @@ def test_cli_schedule_defaults_are_the_engines():
     from batchinfer.engine.fast import MAX_SLOTS, PREFILL_TOKENS, REFILL_FRACTION, FastGenerator
 
     params = {p.name: p.default for p in run.params}
-    assert (params["prefill_tokens"], params["refill_fraction"]) == (PREFILL_TOKENS, REFILL_FRACTION)
-    assert params["max_slots"] == MAX_SLOTS
+    assert (params["prefill_tokens"], params["refill_fraction"]) == ((PREFILL_TOKENS,), (REFILL_FRACTION,))
+    assert params["max_slots"] == (MAX_SLOTS,)
     graphs = inspect.signature(FastGenerator).parameters["prefill_graph_tokens"].default
     assert params["prefill_graph_tokens"] == graphs
+
+
+def test_cli_runs_each_workload_under_every_schedule(monkeypatch, tmp_path):
+    """Repeated --max-slots / --prefill-tokens / --refill-fraction: every workload once per combination,
+    on one model load and one exactness check, each run recording its schedule. The exactness check and
+    the runs themselves are stubbed: this is the CLI's plumbing (the runs are tested elsewhere)."""
+    from types import SimpleNamespace
+
+    from batchinfer.bench import exactness, workload_run
+
+    checks = []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(
+        exactness,
+        "engine_exactness",
+        lambda *a, **k: checks.append(1) or SimpleNamespace(passed=True, as_dict=lambda: {"passed": True}),
+    )
+    monkeypatch.setattr(bench_cli, "format_exactness", lambda e: "exactness stub")
+    monkeypatch.setattr(bench_cli, "format_result", lambda result: [])
+
+    def fake_run(engine, bm, requests, device, **kwargs):
+        return {"workload": requests.name, "engine": engine.describe(), "peer": None}
+
+    monkeypatch.setattr(workload_run, "run_benchmark", fake_run)
+    out = tmp_path / "r.json"
+    args = ["bench", "run", "--workload", "single,extract", "--preset", "tiny-qwen3-moe", "--random"]
+    args += ["--engine", "fast", "--device", "cpu", "--max-slots", "2", "--max-slots", "8"]
+    args += ["--refill-fraction", "0.25", "--refill-fraction", "0.5", "--json", str(out)]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    runs = json.loads(out.read_text())
+    got = [(r["workload"], r["engine"]["max_slots"], r["engine"]["refill_fraction"]) for r in runs]
+    assert got == [(w, s, f) for s in ("2", "8") for f in ("0.25", "0.5") for w in ("single", "extract")]
+    assert checks == [1] and res.output.count("schedule: max_slots") == 8
+    res = CliRunner().invoke(cli, ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3-moe",
+                                   "--random", "--engine", "reference", "--max-slots", "4"])  # fmt: skip
+    assert res.exit_code == 2 and "--max-slots, --prefill-tokens" in res.output

@@ -4,6 +4,7 @@ workloads.json end to end, with the accuracy lock (docs/PERF.md)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import click
@@ -171,10 +172,12 @@ def breakdown_cmd(
 )
 @click.option(
     "--max-slots",
-    default=1024,  # engine.fast.MAX_SLOTS (not imported: --help stays free of torch)
+    default=(1024,),  # engine.fast.MAX_SLOTS (not imported: --help stays free of torch)
+    multiple=True,
     show_default=True,
-    type=int,
-    help="Fast engine: most sequences at once (free memory caps them too).",
+    type=click.IntRange(min=1),
+    help="Fast engine: most sequences at once (free memory caps them too). Repeatable, as are "
+    "--prefill-tokens and --refill-fraction: each workload runs once per combination, on one model load.",
 )
 @click.option(
     "--deltanet-state",
@@ -194,14 +197,16 @@ def breakdown_cmd(
 )
 @click.option(
     "--prefill-tokens",
-    default=16384,  # engine.fast.PREFILL_TOKENS (not imported: --help stays free of torch)
+    default=(16384,),  # engine.fast.PREFILL_TOKENS (not imported: --help stays free of torch)
+    multiple=True,
     show_default=True,
     type=click.IntRange(min=1),
     help="Fast engine: prompt tokens a prefill pass.",
 )
 @click.option(
     "--refill-fraction",
-    default=0.125,  # engine.fast.REFILL_FRACTION
+    default=(0.125,),  # engine.fast.REFILL_FRACTION
+    multiple=True,
     show_default=True,
     type=click.FloatRange(min=0, max=1, min_open=True),
     help="Fast engine: waiting prompts are prefilled once this fraction of the slots is free; with "
@@ -257,11 +262,11 @@ def run(
     dtype: str | None,
     engine_name: str | None,
     max_batch_size: int,
-    max_slots: int,
+    max_slots: tuple[int, ...],
     deltanet_state: str,
     kv_cache: str,
-    prefill_tokens: int,
-    refill_fraction: float,
+    prefill_tokens: tuple[int, ...],
+    refill_fraction: tuple[float, ...],
     prefill_graph_tokens: int,
     max_requests: int | None,
     max_in: int | None,
@@ -304,11 +309,11 @@ def run(
         raise click.UsageError("--deltanet-state applies to the fast engine (--engine fast)")
     if kv_cache != "bfloat16" and engine_name != "fast":
         raise click.UsageError("--kv-cache applies to the fast engine (--engine fast)")
-    schedule = (prefill_tokens, refill_fraction, prefill_graph_tokens)
-    if schedule != (16384, 0.125, 2048) and engine_name != "fast":
+    schedule = (max_slots, prefill_tokens, refill_fraction, prefill_graph_tokens)
+    if schedule != ((1024,), (16384,), (0.125,), 2048) and engine_name != "fast":
         raise click.UsageError(
-            "--prefill-tokens, --refill-fraction and --prefill-graph-tokens apply to the fast engine "
-            "(--engine fast)"
+            "--max-slots, --prefill-tokens, --refill-fraction and --prefill-graph-tokens apply to the fast "
+            "engine (--engine fast)"
         )
     torch_dtype = DTYPES[dtype] if dtype else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     if engine_name == "fast":
@@ -337,7 +342,7 @@ def run(
 
             first = workload_requests(names[0], max_requests=max_requests, **shrink).prompts
             prompt_len = len(first[0])
-            prompts = min(len(first), max(1, prefill_tokens // prompt_len))  # `single`: its 1 x 512 pass
+            prompts = min(len(first), max(1, prefill_tokens[0] // prompt_len))  # `single`: its 1 x 512 pass
             breakdown_doc = breakdown(kernel_model, [breakdown_batch], prompt_len, prompts, prompt_len)
             for line in format_breakdown(breakdown_doc):
                 click.echo(line)
@@ -350,22 +355,26 @@ def run(
             raise AccuracyLockError(
                 "kernel exactness failed (limits in batchinfer/bench/exactness.py); no figure recorded"
             )
-        engine = FastTokenEngine(
-            FastGenerator(
-                kernel_model,
-                max_slots=max_slots,
-                prefill_tokens=prefill_tokens,
-                refill_fraction=refill_fraction,
-                prefill_graph_tokens=prefill_graph_tokens,
+        engines = [
+            FastTokenEngine(
+                FastGenerator(
+                    kernel_model,
+                    max_slots=slots,
+                    prefill_tokens=tokens,
+                    refill_fraction=fraction,
+                    prefill_graph_tokens=prefill_graph_tokens,
+                )
             )
-        )
+            for slots, tokens, fraction in itertools.product(max_slots, prefill_tokens, refill_fraction)
+        ]
     else:
-        engine = ReferenceTokenEngine(bm.model, max_batch_size)
+        engines = [ReferenceTokenEngine(bm.model, max_batch_size)]
     results = []
-    for name in names:
+    for engine, name in itertools.product(engines, names):
+        first = engine is engines[0]
         requests = workload_requests(name, max_requests=max_requests, **shrink)
         peer_engine = peer_requests = None
-        if peer == "hf":
+        if peer == "hf" and first:  # the peer once, beside the first schedule
             from batchinfer.bench.hf_peer import HfPeer
 
             peer_requests = workload_requests(
@@ -380,12 +389,18 @@ def run(
         )
         if exactness is not None:
             result["kernel_exactness"] = exactness.as_dict()
+        if len(engines) > 1:
+            e = result["engine"]
+            click.echo(
+                f"schedule: max_slots {e['max_slots']} ({e['slots']} planned), prefill_tokens "
+                f"{e['prefill_tokens']}, refill_fraction {e['refill_fraction']}"
+            )
         for line in format_result(result):
             click.echo(line)
         results.append(result)
         if json_out:  # rewritten after every workload, so a later failure loses nothing
             with open(json_out, "w") as f:
-                out = results[0] if len(names) == 1 else results
+                out = results[0] if len(engines) * len(names) == 1 else results
                 json.dump(
                     {"runs": results, "breakdown": breakdown_doc} if breakdown_doc else out, f, indent=1
                 )
