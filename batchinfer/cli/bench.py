@@ -371,10 +371,9 @@ def run(
         engines = [ReferenceTokenEngine(bm.model, max_batch_size)]
     results = []
     for engine, name in itertools.product(engines, names):
-        first = engine is engines[0]
         requests = workload_requests(name, max_requests=max_requests, **shrink)
         peer_engine = peer_requests = None
-        if peer == "hf" and first:  # the peer once, beside the first schedule
+        if peer == "hf" and engine is engines[0]:  # the peer once, beside the first schedule
             from batchinfer.bench.hf_peer import HfPeer
 
             peer_requests = workload_requests(

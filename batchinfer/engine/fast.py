@@ -107,9 +107,8 @@ class FastGenerator:
         if self.device.type == "cuda":  # Triton launches and graph captures go to the current device
             torch.cuda.set_device(self.device)
         self._state: SlotState | None = None
-        self._slots = 0
+        self._slots = 0  # of the last plan; `release` keeps it (the run's record), `_state` says if live
         self._max_len = 0
-        self._planned = 0  # slots of the last plan; `release` keeps it for the run's record
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, _PrefillGraph] = {}
         self._pool = None
@@ -120,7 +119,7 @@ class FastGenerator:
     def slots(self) -> int:
         """Slots the last call planned: `max_slots`, or fewer where free memory or the requests capped them
         (0 before the first call; kept after `release`)."""
-        return self._planned
+        return self._slots
 
     def release(self) -> None:
         """Free the state pools and captured graphs (the next `generate` allocates them again)."""
@@ -128,7 +127,6 @@ class FastGenerator:
         self._graphs.clear()
         self._prefill_graphs.clear()
         self._pool = None
-        self._slots = self._max_len = 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -178,7 +176,7 @@ class FastGenerator:
         self.release()
         slots = self._plan_slots(n, max_len)
         self._state = self.model.new_state(slots + 1, max_len)  # slot `slots` is the padding scratch
-        self._slots, self._max_len, self._planned = slots, max_len, slots
+        self._slots, self._max_len = slots, max_len
         dev = self.device
         self._ids = torch.zeros(slots, dtype=torch.int64, device=dev)
         self._pos = torch.zeros(slots, dtype=torch.int32, device=dev)
