@@ -9,19 +9,21 @@ Per chunk of BT tokens with inclusive log-decay cumsum G, the WY form of the del
   O        = exp(G) * (Q S) + [exp(G_t - G_s) q_t . k_s]_{s <= t} U
   S'       = exp(G_last) S + (exp(G_last - G) * K)^T U
 Layouts, gate math and state pool as in `gdn.py` (sequences from a zero state, or from their slot's state for
-later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Three launches, as in FLA:
-`_chunk_prep_kernel` does everything that depends on neither S nor the other chunks, for all chunks at once
-(Tm from the 16 x 16 diagonal blocks' inverses and a short Neumann series for the blocks below them, W = Tm
-(beta exp(G) K), U0 = Tm (beta V), the decayed causal scores of Q K^T and the decayed keys of the state
-update, kept in bf16 workspaces); `_chunk_state_kernel` walks each sequence's chunks in order (one program per
-(sequence, v-head, v-tile), the state in registers) and does only U = U0 - W S and the state update, writing U
-and the state entering each chunk (bf16); `_chunk_out_kernel` then computes every chunk's outputs at once, O =
-exp(G) (Q S) + scores U. Head dims that are not powers of two (the demo model's 48) run in tiles padded to the
-next one (at least 16, for the dots), zero-filled by masks that only padded shapes compile. Numerics: Tm and
-the state in fp32; the dots that apply Tm in tf32, the others with operands in the input dtype (bf16), all
-with fp32 accumulation; expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative. Under the Triton CPU
-interpreter (`INTERPRET`, set by the launcher) the dots take fp32 operands and the bf16 casts round to nearest
-explicitly, working around Triton 3.9's interpreter; compiled code is unchanged.
+later pieces of a chunked prefill; final state written to `state[slot_ids[n]]`). Five launches, split as in
+FLA so that each is short and light on registers (many programs an SM; sm_90 compile, docs/PERF.md session
+17): three do everything that depends on neither S nor the other chunks, for all chunks at once:
+`_chunk_scores_kernel` (G, the decayed keys of the state update, the decayed causal scores of Q K^T and A,
+in workspaces), `_chunk_inverse_kernel` (Tm in place of A, 16 x 16 blocks at a time) and `_chunk_wu_kernel`
+(W = Tm (beta exp(G) K), U0 = Tm (beta V)); `_chunk_state_kernel` walks each sequence's chunks in order (one
+program per (sequence, v-head, v-tile), the state in registers) and does only U = U0 - W S and the state
+update, writing U and the state entering each chunk (bf16); `_chunk_out_kernel` then computes every chunk's
+outputs at once, O = exp(G) (Q S) + scores U. Head dims that are not powers of two (the demo model's 48) run
+in tiles padded to the next one (at least 16, for the dots), zero-filled by masks that only padded shapes
+compile. Numerics: A, Tm and the state in fp32; Tm's diagonal blocks in full fp32, the dots that form the rest
+of Tm and apply it in tf32, the others with operands in the input dtype (bf16), all with fp32 accumulation;
+expected error vs `gdn.gated_delta_rule_ref` ~3e-3 relative. Under the Triton CPU interpreter (`INTERPRET`,
+set by the launcher) the dots take fp32 operands and the bf16 casts round to nearest explicitly, working
+around Triton 3.9's interpreter; compiled code is unchanged.
 """
 
 from __future__ import annotations
@@ -35,16 +37,20 @@ from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
 def _chunk_configs(seqs: int = 1) -> dict[str, int]:
-    """Chunk, v-tile and warps of the three launches for a pass of `seqs` sequences. 64-token chunks keep
-    wgmma (M = 64). Tuned on the H200 (`tune_attn --parts gdn_chunk`, docs/PERF.md session 14): 64-wide
-    v-tiles on 4 warps once the sequential launch (seqs x 32 heads x 128 / BLOCK_V programs) fills the
-    SMs anyway (8 x 2,048 tokens: 2,461 -> 1,681 us a layer against 16-wide tiles); one sequence (a
-    512-token prompt) keeps more programs with 32-wide tiles on 8 warps (78.6 -> 72.0 us)."""
+    """Chunk, v-tile, warps and stages of the five launches for a pass of `seqs` sequences. 64-token chunks
+    keep wgmma (M = 64). The sequential launch's tiles were tuned on the H200 (`tune_attn --parts gdn_chunk`,
+    docs/PERF.md session 14): 64-wide v-tiles on 4 warps once the sequential launch (seqs x 32 heads x 128 /
+    BLOCK_V programs) fills the SMs anyway (8 x 2,048 tokens: 2,461 -> 1,681 us a layer against 16-wide
+    tiles); one sequence (a 512-token prompt) keeps more programs with 32-wide tiles on 8 warps (78.6 ->
+    72.0 us). The warps of the
+    scores, inverse and W/U launches are chosen by the sm_90 compile (registers and instructions), not yet
+    timed."""
+    base = {"BT": 64, "state_stages": 3, "scores_warps": 8, "inv_warps": 1, "wu_warps": 4, "out_warps": 8}
     if _interpreted():
-        return {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "prep_warps": 4, "out_warps": 4}
+        return base | {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "scores_warps": 4, "out_warps": 4}
     if seqs < 4:
-        return {"BT": 64, "BLOCK_V": 32, "num_warps": 8, "prep_warps": 8, "out_warps": 8}
-    return {"BT": 64, "BLOCK_V": 64, "num_warps": 4, "prep_warps": 8, "out_warps": 8}
+        return base | {"BLOCK_V": 32, "num_warps": 8}
+    return base | {"BLOCK_V": 64, "num_warps": 4}
 
 
 @triton.jit
@@ -134,95 +140,157 @@ def _dot_tf32(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _block_diag_inverse(A, BT: tl.constexpr, SUB: tl.constexpr):
-    """(I + D)^-1 `[BT, BT]` fp32, D the SUB x SUB diagonal blocks of the strictly lower A, as
-    (I - D)(I + D^2)(I + D^4)(I + D^8) (D^SUB = 0): six batched `[BT / SUB, SUB, SUB]` dots in full fp32,
-    no sequential steps (one forward-substitution step a row took most of the prefill's DeltaNet time).
-    |D| <= 1 entrywise (beta < 1, decays <= 1, unit keys), so the powers stay below C(15, 8)."""
-    tl.static_assert(SUB == 16)
-    NB: tl.constexpr = BT // SUB
-    r = tl.arange(0, SUB)
-    nb = tl.arange(0, NB)
-    diag = nb[:, None, None, None] == nb[None, None, :, None]  # [NB, 1, NB, 1]: block (b, b)
-    D = tl.sum(tl.where(diag, tl.reshape(A, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
-    T = tl.where(r[None, :, None] == r[None, None, :], 1.0, 0.0) - D
-    for _ in tl.static_range(3):  # D^2, D^4, D^8
-        D = tl.dot(D, D, input_precision="ieee")
-        T = T + tl.dot(T, D, input_precision="ieee")
-    return tl.reshape(tl.where(diag, T[:, :, None, :], 0.0), (BT, BT))
-
-
-@triton.jit
-def _inverse(Td, N, NB: tl.constexpr, INTERPRET: tl.constexpr):
-    """(I + A)^-1 = sum over m < NB of (-N)^m Td `[BT, BT]`, by Horner's rule (fp32, tf32 dots): formed
-    once, so W and U0 take one dot a column slice (applying the series to each slice took NB)."""
-    inv = Td
-    for _ in tl.static_range(NB - 1):
-        inv = Td - _dot_tf32(N, inv, INTERPRET)
-    return inv
-
-
-@triton.jit
-def _chunk_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, w_ptr, u_ptr, kt_ptr, qk_ptr, g_ptr,  #
+def _chunk_scores_kernel(
+    q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, kt_ptr, qk_ptr, g_ptr, am_ptr,  #
     HV_PER_K, q_scale,  #
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
-    stride_wt, stride_wh, stride_qkt, stride_qkh, stride_gt,  #
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BT: tl.constexpr,  #
-    INTERPRET: tl.constexpr,  #
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,  #
+    stride_kt_t, stride_kt_h, stride_qkt, stride_qkh, stride_gt, stride_amt, stride_amh,  #
+    DK: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
-    """Per (sequence, chunk, v-head): Tm = (I + A)^-1, W = Tm (beta e^G K) `[BT, DK]`, U0 = Tm (beta V),
-    the chunk's decayed causal scores [exp(G_t - G_s) q_t . k_s]_{s <= t} `[BT, BT]` (computed here
-    once, not in each v-tile program of the sequential kernel) and its cumulative gates G (fp32 `[T, Hv]`:
-    the sequential kernel loads 4 bytes a row, which cp.async pipelines, where recomputing them loaded
-    bf16 `a` synchronously in every chunk step, sm_90 SASS), and the keys of the state update, unit keys
-    times exp(G_last - G) (`[T, Hv, DK]`, where each step of each v-tile program of the sequential kernel
-    recomputed the keys' l2 norms)."""
-    PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
-    SUB: tl.constexpr = 16  # the diagonal blocks `_block_diag_inverse` inverts
-    PARTS: tl.constexpr = 2 if BLOCK_K >= 32 else 1  # column slices of W and U0 (dots need N >= 16)
+    """Per (sequence, chunk, v-head), what needs only the chunk's own keys and gates: its cumulative gates G
+    (fp32 `[T, Hv]`: the sequential kernel loads 4 bytes a row, which cp.async pipelines), the keys of the
+    state update (unit keys times exp(G_last - G), `[T, Hv, DK]`), the decayed causal scores
+    [exp(G_t - G_s) q_t . k_s]_{s <= t} (bf16 `[T, Hv, BT]`, for the output launch) and
+    A = [beta_t exp(G_t - G_s) k_t . k_s]_{s < t} (fp32 `[T, Hv, BT]`, its diagonal and the blocks below
+    it: the inverse launch reads nothing else)."""
+    PAD: tl.constexpr = BLOCK_K != DK
     _, h, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
     if live:
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < DK
         k_rows = k_ptr + (h // HV_PER_K) * stride_kh
-        rk = _inv_norms(k_rows, t, ok, stride_kt, offs_k, k_ok, PAD)
-        kd = _scaled_cols(k_rows, t, ok, stride_kt, offs_k, k_ok, rk, PAD, INTERPRET)
+        kd = _l2_rows(k_rows, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
         beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
         tl.store(g_ptr + t * stride_gt + h, G, mask=ok)
         last = tl.sum(ok.to(tl.int32), axis=0) - 1  # the chunk's last real row
         g_last = tl.sum(tl.where(rows == last, G, 0.0), axis=0)
         k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
-        tl.store(kt_ptr + t[:, None] * stride_wt + h * stride_wh + offs_k[None, :], k_tail,
+        tl.store(kt_ptr + t[:, None] * stride_kt_t + h * stride_kt_h + offs_k[None, :], k_tail,
                  mask=_tile_mask(ok, k_ok, PAD))
         lower = rows[:, None] > rows[None, :]
         A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
         A = A * _dot(kd, tl.trans(kd), INTERPRET)
+        tl.store(am_ptr + t[:, None] * stride_amt + h * stride_amh + rows[None, :], A,
+                 mask=ok[:, None] & (rows[:, None] // 16 >= rows[None, :] // 16))
         qd = _l2_rows(q_ptr + (h // HV_PER_K) * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD,
                       INTERPRET)
         qk = _dot(qd, tl.trans(kd), INTERPRET)
         qk = qk * tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], -float("inf")))
         tl.store(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :],
                  small_ops._to(qk, kd.dtype, INTERPRET), mask=ok[:, None])
-        # (I + A)^-1 = (I + N)^-1 Td with Td = (I + D)^-1, D the diagonal SUB x SUB blocks of A and
-        # N = Td (A - D) strictly block-lower, so (I + N)^-1 = I - N + N^2 - ... (BT / SUB terms)
-        Td = _block_diag_inverse(A, BT, SUB)
-        N = _dot_tf32(Td, tl.where(rows[:, None] // SUB > rows[None, :] // SUB, A, 0.0), INTERPRET)
-        inv = _inverse(Td, N, BT // SUB, INTERPRET)
-        # W and U0 a half of the head dim at a time (the columns are independent): fewer live fp32 tiles
+
+
+@triton.jit
+def _inv16(D):
+    """(I + D)^-1 of a strictly lower 16 x 16 block D, as (I - D)(I + D^2)(I + D^4)(I + D^8) (D^16 = 0): six
+    dots in full fp32, no sequential steps. |D| <= 1 entrywise (beta < 1, decays <= 1, unit keys), so the
+    powers stay below C(15, 8)."""
+    r = tl.arange(0, 16)
+    T = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - D
+    for _p in tl.static_range(3):  # D^2, D^4, D^8
+        D = tl.dot(D, D, input_precision="ieee")
+        T = T + tl.dot(T, D, input_precision="ieee")
+    return T
+
+
+@triton.jit
+def _block(ptr, i, j, c0, end, stride_t):
+    """Block (i, j) of a chunk's 16 x 16 blocks: rows c0 + 16 i.., columns 16 j.. (rows past `end` zero)."""
+    r = tl.arange(0, 16)
+    t = c0 + 16 * i + r
+    return tl.load(ptr + t[:, None] * stride_t + 16 * j + r[None, :], mask=(t < end)[:, None], other=0.0)
+
+
+@triton.jit
+def _put_block(ptr, x, i, j, c0, end, stride_t):
+    r = tl.arange(0, 16)
+    t = c0 + 16 * i + r
+    tl.store(ptr + t[:, None] * stride_t + 16 * j + r[None, :], x, mask=(t < end)[:, None])
+
+
+@triton.jit
+def _chunk_inverse_kernel(am_ptr, cu_ptr, stride_t, stride_h, BT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per (sequence, chunk, v-head), in place: A -> (I + A)^-1 (fp32, lower blocks), 16 x 16 blocks at a
+    time: the diagonal blocks' inverses T_i (`_inv16`), then the blocks below them by block forward
+    substitution, X_ij = -T_i sum_{j <= m < i} A_im X_mj (X_jj = T_j; tf32 dots). Small tiles keep the
+    registers low (a program is one or two warps, many to an SM), where forming the inverse on 64 x 64
+    tiles held one 8-warp program an SM, each a long chain of dependent dots (sm_90 compile, session 17)."""
+    NB: tl.constexpr = BT // 16
+    tl.static_assert(NB == 1 or NB == 2 or NB == 4)
+    seq = tl.program_id(0).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    c0 = tl.load(cu_ptr + seq).to(tl.int64) + tl.program_id(1) * BT
+    if c0 < end:
+        p = am_ptr + tl.program_id(2) * stride_h
+        T0 = _inv16(_block(p, 0, 0, c0, end, stride_t))
+        _put_block(p, T0, 0, 0, c0, end, stride_t)
+        if NB > 1:
+            T1 = _inv16(_block(p, 1, 1, c0, end, stride_t))
+            A10 = _block(p, 1, 0, c0, end, stride_t)
+            X10 = -_dot_tf32(T1, _dot_tf32(A10, T0, INTERPRET), INTERPRET)
+            _put_block(p, T1, 1, 1, c0, end, stride_t)
+            _put_block(p, X10, 1, 0, c0, end, stride_t)
+            if NB > 2:
+                T2 = _inv16(_block(p, 2, 2, c0, end, stride_t))
+                T3 = _inv16(_block(p, 3, 3, c0, end, stride_t))
+                A20 = _block(p, 2, 0, c0, end, stride_t)
+                A21 = _block(p, 2, 1, c0, end, stride_t)
+                A30 = _block(p, 3, 0, c0, end, stride_t)
+                A31 = _block(p, 3, 1, c0, end, stride_t)
+                A32 = _block(p, 3, 2, c0, end, stride_t)
+                X21 = -_dot_tf32(T2, _dot_tf32(A21, T1, INTERPRET), INTERPRET)
+                X32 = -_dot_tf32(T3, _dot_tf32(A32, T2, INTERPRET), INTERPRET)
+                S20 = _dot_tf32(A20, T0, INTERPRET) + _dot_tf32(A21, X10, INTERPRET)
+                X20 = -_dot_tf32(T2, S20, INTERPRET)
+                S31 = _dot_tf32(A31, T1, INTERPRET) + _dot_tf32(A32, X21, INTERPRET)
+                X31 = -_dot_tf32(T3, S31, INTERPRET)
+                S30 = _dot_tf32(A30, T0, INTERPRET) + _dot_tf32(A31, X10, INTERPRET)
+                S30 += _dot_tf32(A32, X20, INTERPRET)
+                X30 = -_dot_tf32(T3, S30, INTERPRET)
+                _put_block(p, T2, 2, 2, c0, end, stride_t)
+                _put_block(p, T3, 3, 3, c0, end, stride_t)
+                _put_block(p, X20, 2, 0, c0, end, stride_t)
+                _put_block(p, X21, 2, 1, c0, end, stride_t)
+                _put_block(p, X30, 3, 0, c0, end, stride_t)
+                _put_block(p, X31, 3, 1, c0, end, stride_t)
+                _put_block(p, X32, 3, 2, c0, end, stride_t)
+
+
+@triton.jit
+def _chunk_wu_kernel(
+    k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, am_ptr, w_ptr, u_ptr,  #
+    HV_PER_K,  #
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_amt, stride_amh,  #
+    stride_wt, stride_wh,  #
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BT: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
+):
+    """Per (sequence, chunk, v-head): W = Tm (beta e^G K) `[BT, DK]` and U0 = Tm (beta V), Tm = (I + A)^-1
+    from the inverse launch (tf32 dots, bf16 results), half of the head dim at a time (the columns are
+    independent: fewer live fp32 tiles)."""
+    PAD: tl.constexpr = (BLOCK_K != DK) | (BLOCK_DV != DV)
+    PARTS: tl.constexpr = 2 if BLOCK_K >= 32 else 1  # column slices of W and U0 (dots need N >= 16)
+    _, h, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
+    if live:
+        offs_k = tl.arange(0, BLOCK_K)
+        k_rows = k_ptr + (h // HV_PER_K) * stride_kh
+        rk = _inv_norms(k_rows, t, ok, stride_kt, offs_k, offs_k < DK, PAD)
+        beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
+        inv = tl.load(am_ptr + t[:, None] * stride_amt + h * stride_amh + rows[None, :],
+                      mask=ok[:, None] & (rows[:, None] // 16 >= rows[None, :] // 16), other=0.0)
         for part in tl.static_range(PARTS):
             cols = part * (BLOCK_K // PARTS) + tl.arange(0, BLOCK_K // PARTS)
             x = _scaled_cols(k_rows, t, ok, stride_kt, cols, cols < DK, rk, PAD, INTERPRET).to(tl.float32)
             w = _dot_tf32(inv, x * (beta * tl.exp(G))[:, None], INTERPRET)
             tl.store(w_ptr + t[:, None] * stride_wt + h * stride_wh + cols[None, :],
-                     small_ops._to(w, kd.dtype, INTERPRET), mask=_tile_mask(ok, cols < DK, PAD))
+                     small_ops._to(w, w_ptr.dtype.element_ty, INTERPRET), mask=_tile_mask(ok, cols < DK, PAD))
         for part in tl.static_range(PARTS):
             cols = part * (BLOCK_DV // PARTS) + tl.arange(0, BLOCK_DV // PARTS)
             v_ptrs = v_ptr + t[:, None] * stride_vt + h * stride_vh + cols[None, :]
             v = tl.load(v_ptrs, mask=_tile_mask(ok, cols < DV, PAD), other=0.0)
             u = _dot_tf32(inv, v.to(tl.float32) * beta[:, None], INTERPRET)
             tl.store(u_ptr + t[:, None] * stride_wt + h * stride_wh + cols[None, :],
-                     small_ops._to(u, kd.dtype, INTERPRET), mask=_tile_mask(ok, cols < DV, PAD))
+                     small_ops._to(u, u_ptr.dtype.element_ty, INTERPRET), mask=_tile_mask(ok, cols < DV, PAD))
 
 
 @triton.jit
@@ -258,7 +326,7 @@ def _chunk_state_kernel(
                 S = tl.load(s0).to(tl.float32)
     h_ptrs = h_ptr + tl.load(base_ptr + seq).to(tl.int64) * stride_hc + h * stride_hh
     h_ptrs = h_ptrs + offs_k[:, None] * stride_hk + offs_v[None, :]
-    # G at each chunk's last real row (the prep launch's cumulative gates), loaded a chunk ahead: a scalar
+    # G at each chunk's last real row (the scores launch's cumulative gates), loaded a chunk ahead: a scalar
     # feeds no dot, so Triton's pipeliner would leave it a synchronous load in every step
     g_last = tl.load(g_ptr + (tl.minimum(end, start + BT) - 1) * stride_gt + h, mask=start < end, other=0.0)
     for c0 in range(start, end, BT):
@@ -357,13 +425,26 @@ def chunk_gated_delta_rule(
     u = torch.empty((T, Hv, Dv), dtype=k.dtype, device=k.device)
     grid = (N, triton.cdiv(max(max_seqlen, 1), BT), Hv)
     gates = torch.empty((T, Hv), dtype=torch.float32, device=v.device)
-    _chunk_prep_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, cu_seqlens, w, u0, k_tail, qk, gates,
+    am = torch.empty((T, Hv, BT), dtype=torch.float32, device=k.device)  # A, then (I + A)^-1 in place
+    _chunk_scores_kernel[grid](
+        q, k, a, b, A_log, dt_bias, cu_seqlens, k_tail, qk, gates, am,
         Hv // Hk, Dk**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), b.stride(0), w.stride(0), w.stride(1), qk.stride(0), qk.stride(1), gates.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
+        k_tail.stride(0), k_tail.stride(1), qk.stride(0), qk.stride(1), gates.stride(0),
+        am.stride(0), am.stride(1),
+        DK=Dk, BLOCK_K=block_k, BT=BT, INTERPRET=interpreting(), num_warps=cfg["scores_warps"],
+    )
+    _chunk_inverse_kernel[grid](
+        am, cu_seqlens, am.stride(0), am.stride(1), BT=BT, INTERPRET=interpreting(),
+        num_warps=cfg["inv_warps"],
+    )
+    _chunk_wu_kernel[grid](
+        k, v, a, b, A_log, dt_bias, cu_seqlens, am, w, u0,
+        Hv // Hk,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        am.stride(0), am.stride(1), w.stride(0), w.stride(1),
         DK=Dk, DV=Dv, BLOCK_K=block_k, BLOCK_DV=block_k, BT=BT, INTERPRET=interpreting(),
-        num_warps=cfg["prep_warps"],
+        num_warps=cfg["wu_warps"],
     )
     _chunk_state_kernel[(N, Hv, triton.cdiv(Dv, BV))](
         k_tail, gates, w, u0, state, slot_ids, cu_seqlens, slot_ids if past is None else past,
@@ -372,7 +453,7 @@ def chunk_gated_delta_rule(
         states.stride(0), states.stride(1), states.stride(2),
         state.stride(0), state.stride(1), state.stride(2),
         DK=Dk, DV=Dv, BLOCK_K=block_k, BT=BT, BLOCK_V=BV, CONTINUE=past is not None,
-        INTERPRET=interpreting(), num_warps=cfg["num_warps"],
+        INTERPRET=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["state_stages"],
     )
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     _chunk_out_kernel[grid](

@@ -70,13 +70,17 @@ def test_real_shapes_gpu(monkeypatch, Hk, Hv, D):
     assert rel_err(out, ref) < 1e-2 and rel_err(state, ref_final) < 1e-2
 
 
-@pytest.mark.parametrize("D,block_v", [(32, None), (48, None), (48, 32)])  # 48 in 64-wide k; v tiles cross 48
-def test_production_chunk(monkeypatch, D, block_v):
-    """The H200 chunk (64 tokens) and v-tile on sequences that end mid-chunk."""
+@pytest.mark.parametrize(
+    "D,change",
+    [(32, {}), (48, {}), (48, {"BLOCK_V": 32}), (32, {"BT": 32})],  # 48 in 64-wide k; v tiles cross 48
+)
+def test_production_chunk(monkeypatch, D, change):
+    """The H200 chunk (64 tokens: four 16-row blocks in the inverse launch; the tuner's 32, two) and v-tile
+    on sequences that end mid-chunk."""
     monkeypatch.setattr(gdn_chunk, "_interpreted", lambda: False)
     poison_empty(monkeypatch)
-    cfg = gdn_chunk._chunk_configs() | ({"BLOCK_V": block_v} if block_v else {})
-    assert cfg["BT"] == 64
+    assert gdn_chunk._chunk_configs()["BT"] == 64
+    cfg = gdn_chunk._chunk_configs() | change
     cu = torch.tensor([0, 150, 213], dtype=torch.int32, device=DEV)
     q, k, v, a, b, A_log, dt_bias = _inputs(213, 1, 2, D, slow_decay=True)
     state = torch.empty(2, 2, D, D, device=DEV)

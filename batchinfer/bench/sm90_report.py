@@ -1,5 +1,6 @@
 """Compile the attention, KV-store, DeltaNet, MoE, FP8 GEMV and small-op kernels for sm_90 on any machine
-(no GPU needed) and report registers, spilled bytes, shared memory and the instruction mix of each.
+(no GPU needed) and report registers, spilled bytes, shared memory, the instruction mix of each and the
+programs an SM holds.
 
 Each kernel is reached through its real launcher at its production config: the launcher runs on CPU
 tensors with the Triton launch replaced by a capture, so signature, constexprs, warps and stages are
@@ -139,6 +140,16 @@ def wgmma_serialized(ptx: str) -> str:
     return m.group(1) if m else ""
 
 
+def ctas_per_sm(regs: int, warps: int, smem: int) -> int:
+    """Programs an H100/H200 SM holds at once (sm_90 limits: 64K registers allocated 8 a thread in whole
+    warps, 228 KiB of shared memory with 1 KiB reserved a block, 64 warps, 32 blocks). A kernel whose
+    programs are long chains of dependent steps (loads, dots, barriers) runs faster with more of them to
+    interleave: the occupancy half of "is it latency-bound", which a compile alone can answer."""
+    by_regs = 65536 // (-(-regs // 8) * 8 * 32 * warps)
+    by_smem = (228 * 1024) // (smem + 1024)
+    return min(by_regs, by_smem, 64 // warps, 32)
+
+
 def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dict[str, Any]:
     """Compile the launch `launch()` would make for sm_90; registers, spill bytes, smem, op counts, and
     whether ptxas serialized its wgmmas."""
@@ -161,6 +172,7 @@ def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dic
         **{op: len(re.findall(rf"\b{op}\b", sass)) for op in _OPS},
         "loop LDG": loop_loads(sass),
         "wgmma serialized": wgmma_serialized(compiled.asm["ptx"]) if "HGMMA" in sass else "",
+        "CTAs/SM": ctas_per_sm(regs, options.get("num_warps", 4), compiled.metadata.shared),
     }
 
 
@@ -237,7 +249,9 @@ def _gdn_launches() -> Iterator[tuple]:
     chunk = lambda p=None: gdn_chunk.chunk_gated_delta_rule(
         q, k, v, a, b, a_log, dt_bias, s32, slots[:1], cu, T, past=p
     )
-    yield "prefill", gdn_chunk._chunk_prep_kernel, chunk
+    yield "prefill", gdn_chunk._chunk_scores_kernel, chunk
+    yield "prefill", gdn_chunk._chunk_inverse_kernel, chunk
+    yield "prefill", gdn_chunk._chunk_wu_kernel, chunk
     yield "prefill", gdn_chunk._chunk_state_kernel, chunk
     yield "chunked prefill", gdn_chunk._chunk_state_kernel, lambda: chunk(past)
     yield "prefill", gdn_chunk._chunk_out_kernel, chunk
@@ -396,9 +410,9 @@ def main() -> None:
     print(
         "| kernel | case | config | regs | spill B | smem B | "
         + " | ".join(_OPS)
-        + " | loop LDG | wgmma serialized |"
+        + " | loop LDG | wgmma serialized | CTAs/SM |"
     )
-    print("|---" * (8 + len(_OPS)) + "|")
+    print("|---" * (9 + len(_OPS)) + "|")
     failed = False
     for case, kernel, launch in launches():
         try:
@@ -410,7 +424,7 @@ def main() -> None:
         failed |= r["spill_bytes"] > args.max_spill
         print(
             f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
-            + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG", "wgmma serialized"))
+            + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG", "wgmma serialized", "CTAs/SM"))
             + " |"
         )
     sys.exit(1 if failed else 0)

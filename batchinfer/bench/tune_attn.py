@@ -49,25 +49,26 @@ PREFILL = [
 DECODE = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
 GDN_DECODE = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)]
 GDN_PREFILL = [(bv, w) for bv in (8, 16, 32) for w in (1, 2, 4)]
-# The chunked rule: BT, BLOCK_V and warps of the sequential launch, warps of the prep and output launches.
-# BLOCK_V sets the sequential launch's programs (sequences x 32 v-heads x 128 / BLOCK_V, one CTA an SM at
-# these register counts), so it is timed at the engine's pass shapes: one 512-token prompt (`single`'s
-# TTFT), 16 x 1,024 and 8 x 2,048 (16,384-token passes: `offline`, `extract`).
+# The chunked rule: changes to `_chunk_configs`' choice for the pass (BT, BLOCK_V, warps and pipeline
+# stages of the sequential launch, warps of the other four). BLOCK_V sets the sequential launch's programs
+# (sequences x 32 v-heads x 128 / BLOCK_V; sm_90 compile: one CTA an SM at 3 stages, two at 2), so it is
+# timed at the engine's pass shapes: one 512-token prompt (`single`'s TTFT), 16 x 1,024 and 8 x 2,048
+# (16,384-token passes: `offline`, `extract`). The warps of the scores, inverse and W/U launches trade
+# registers (CTAs an SM) against instructions (session 17's compile report).
 GDN_CHUNK = [
-    (64, bv, w, pw, ow)
-    for bv, w, pw, ow in [
-        (16, 4, 8, 8),
-        (32, 8, 8, 8),
-        (32, 4, 8, 8),
-        (64, 8, 8, 8),
-        (64, 4, 8, 8),
-        (16, 8, 4, 8),
-        (16, 8, 8, 4),
-        (64, 4, 4, 8),
-        (128, 4, 8, 8),
-        (128, 8, 8, 8),
-    ]
-] + [(32, 32, 4, 8, 8), (32, 16, 4, 8, 8)]
+    {"BLOCK_V": 16, "num_warps": 4},
+    {"BLOCK_V": 32, "num_warps": 8},
+    {"BLOCK_V": 32, "num_warps": 4},
+    {"BLOCK_V": 64, "num_warps": 4},
+    {"BLOCK_V": 64, "num_warps": 4, "state_stages": 2},
+    {"BLOCK_V": 32, "num_warps": 4, "state_stages": 2},
+    {"BLOCK_V": 64, "num_warps": 8, "state_stages": 2},
+    {"scores_warps": 4},
+    {"inv_warps": 2},
+    {"wu_warps": 8},
+    {"out_warps": 4},
+    {"BT": 32, "BLOCK_V": 32, "num_warps": 4},
+]
 GDN_CHUNK_PASSES = [(1, 512), (16, 1024), (8, 2048)]  # sequences x tokens
 # The prefill conv1d: BLOCK_T, BLOCK_C, warps (sm_90 compile: 210 registers at the table's 32, 256 on 4
 # warps, 128 on 8; in an 8 x 2,048-token pass it moved its bytes at ~41% of copy bandwidth, session 13).
@@ -219,9 +220,7 @@ def _gdn_chunk_point(dev: torch.device, seqs: int, length: int) -> list[dict[str
     chunk = lambda c, i: chunk_gated_delta_rule(
         q, k, v, a, b, A_log, dt_bias, state, slots, cu, length, config=c
     )
-    configs = [_chunk_configs(seqs)] + [
-        dict(BT=bt, BLOCK_V=bv, num_warps=w, prep_warps=pw, out_warps=ow) for bt, bv, w, pw, ow in GDN_CHUNK
-    ]
+    configs = [_chunk_configs(seqs)] + [_chunk_configs(seqs) | change for change in GDN_CHUNK]
     name = f"gdn chunked prefill {seqs} x {length}"
     return _sweep(name, configs, chunk, lambda c: chunk(c, 0), ref, 1, {"tokens": T, "seqs": seqs})
 
