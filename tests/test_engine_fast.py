@@ -18,6 +18,7 @@ from batchinfer.bench.exactness import engine_exactness
 from batchinfer.checkpoint.loader import load_checkpoint
 from batchinfer.checkpoint.presets import build_checkpoint
 from batchinfer.cli import cli
+from batchinfer.engine import fast
 from batchinfer.engine.api import SamplingParams
 from batchinfer.engine.fast import FastGenerator, padded_prompt, prefill_bucket
 from batchinfer.engine.kernel_model import AttentionWeights, DeltaNetWeights, KernelModel
@@ -198,6 +199,44 @@ def test_slots_refill_and_stop_rules():
         [prompts[1]], [SamplingParams(max_tokens=6, ignore_eos=True)], on_step=stop_second_step
     )[0]
     assert out.finish_reason == "stop" and len(out.token_ids) == 2
+
+
+def test_decode_tokens_are_read_one_step_late(monkeypatch):
+    """The host records a step's tokens while the next step runs. Rows that reach their limit leave the
+    batch on the device with no extra step; a row stopped by a stop token computes one extra token, which
+    is dropped; no row's tokens depend on the others leaving."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
+    prompts = _random_prompts(cfg.vocab_size, [5, 9, 3])
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (7, 3, 5)]
+    one = FastGenerator(km, max_slots=1)
+    alone = [one.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    launched, read = [], []  # steps as launched; (which step, steps launched by then) at each read
+    fetch, wait = FastGenerator._fetch, fast._Step.wait
+
+    def fetch_counted(self, *args):
+        launched.append(fetch(self, *args))
+        return launched[-1]
+
+    def wait_counted(step):
+        read.append((launched.index(step), len(launched)))
+        return wait(step)
+
+    monkeypatch.setattr(FastGenerator, "_fetch", fetch_counted)
+    monkeypatch.setattr(fast._Step, "wait", wait_counted)
+    gen = FastGenerator(km, max_slots=3)
+    assert [o.token_ids for o in gen.generate(prompts, params)] == alone
+    assert gen.stats["decode_steps"] == 6 and gen.batch_sizes == [3, 3, 2, 2, 1, 1]  # one token from prefill
+    assert read == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 6), (5, 6)]  # each step read after the next launch
+    monkeypatch.undo()
+
+    stop_at = alone[0][3]  # row 0 alone honours stop tokens
+    want = alone[0][: alone[0].index(stop_at) + 1]
+    gen = FastGenerator(km, max_slots=3)
+    stopped = [SamplingParams(max_tokens=7)] + params[1:]
+    outs = gen.generate(prompts, stopped, stop_token_ids={stop_at})
+    assert outs[0].token_ids == want and outs[0].finish_reason == "stop"
+    assert [o.token_ids for o in outs[1:]] == alone[1:]
+    assert gen.stats["decode_steps"] == max(len(want), 5) - 1
 
 
 def test_prompt_pieces_continue_the_slot_state():

@@ -10,8 +10,12 @@ than a pass is prefilled in pieces (chunked prefill: each piece continues the sl
 DeltaNet state), one pass between decode steps, so a long prompt does not stall the running batch.
 A decode step is a CUDA graph replay for the smallest captured batch-size bucket >= the running count
 (padding rows point at a scratch slot), then greedy argmax or the fused sampler on the GPU; the sampled
-ids stay on the device as the next step's input, and one small copy per step brings them to the host
-for stop checks and callbacks.
+ids stay on the device as the next step's input. Their copy to the host (pinned, one small copy a step)
+is read one step late, while the next step runs, so the host never waits on the step it launched: a row
+whose token limit the step in flight reaches leaves the batch on the device (a gather of the static
+buffers, no read-back), and a row stopped by a stop token or a callback computes one extra token, which
+is dropped. The host waits on the GPU only before a prefill pass, whose new rows are loaded from its
+view of every row.
 With `prefill_graph_tokens`, a pass that is one fresh prompt (the latency case: about a thousand kernel
 launches for little device work) replays the CUDA graph of its length bucket, a power of two from 64 up to
 `prefill_graph_tokens`: the prompt, then a filler sequence up to the bucket in the scratch slot.
@@ -57,6 +61,21 @@ class _Seq:
     prefilled: int = 0  # prompt tokens already in the slot (chunked prefill)
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Step:
+    """A launched decode step whose tokens the host has not recorded yet: its rows and, on CUDA, their
+    tokens on the way to a pinned host buffer, with the event that says they are there."""
+
+    rows: list[_Seq]
+    tokens: torch.Tensor
+    arrived: torch.cuda.Event | None = None
+
+    def wait(self) -> list[int]:
+        if self.arrived is not None:
+            self.arrived.synchronize()
+        return self.tokens[: len(self.rows)].tolist()
 
 
 def _buckets(slots: int) -> list[int]:
@@ -186,6 +205,9 @@ class FastGenerator:
         self._top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self._seeds = torch.zeros(slots, dtype=torch.int64, device=dev)
         self._steps = torch.zeros(slots, dtype=torch.int64, device=dev)
+        if dev.type == "cuda":  # two: a step's tokens land in one while the host reads the other's
+            self._host_tokens = [torch.empty(slots, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._arrived = [torch.cuda.Event(), torch.cuda.Event()]
         log.info(
             "engine state: %d slots of %d tokens (%.1f GiB)",
             slots,
@@ -232,6 +254,31 @@ class FastGenerator:
         self._top_p[:n].copy_(torch.tensor([s.params.top_p for s in rows], dtype=torch.float32))
         self._seeds[:n].copy_(torch.tensor([s.params.seed for s in rows], dtype=torch.int64))
         self._steps[:n].copy_(torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64))
+
+    def _keep_rows(self, keep: list[int], n: int) -> None:
+        """Rows `keep` of the first `n` of the static buffers move to the front, on the device (their ids
+        and positions are the device's own, one step ahead of the host); the rest point at the scratch slot.
+        The index goes up from pinned memory without a stream sync, behind the step in flight."""
+        idx = torch.tensor(keep, dtype=torch.int64)
+        if self.device.type == "cuda":
+            idx = idx.pin_memory()
+        idx = idx.to(self.device, non_blocking=True)
+        k = len(keep)
+        for buf in (self._ids, self._pos, self._slot_ids, self._temperature, self._top_k, self._top_p,
+                    self._seeds, self._steps):  # fmt: skip
+            buf[:k] = buf[idx]
+        self._slot_ids[k:n] = self._slots
+        self._pos[k:n] = 0
+
+    def _fetch(self, tokens: torch.Tensor, rows: list[_Seq]) -> _Step:
+        """Start the copy of a step's tokens to the host (on CUDA into the pinned buffer the previous step
+        did not use) and return the step to record later."""
+        if self.device.type != "cuda":
+            return _Step(rows, tokens)
+        i = self.stats["decode_steps"] % 2
+        self._host_tokens[i][: len(rows)].copy_(tokens, non_blocking=True)
+        self._arrived[i].record()
+        return _Step(rows, self._host_tokens[i], self._arrived[i])
 
     def _sample(
         self,
@@ -391,12 +438,18 @@ class FastGenerator:
         partial: list[_Seq] = []  # prompts prefilled in part (longer than one pass)
         dirty = True
         prefilled_last = False
+        lag: _Step | None = None  # the last decode step: launched, its tokens not recorded yet
         refill_at = max(1, int(slots * self.refill_fraction))
         with torch.inference_mode():
             while pending or running or partial:
                 refill = bool(pending and free) and (not running or len(free) >= min(refill_at, len(pending)))
                 # a long prompt's pieces alternate with decode steps, so it never stalls the batch
                 if (refill or partial) and not (partial and running and prefilled_last):
+                    if lag is not None:  # the batch is rebuilt below from the host's view of every row
+                        self._record(lag.rows, lag.wait(), stop_token_ids, on_step)
+                        lag = None
+                        free += [s.slot for s in running if s.finish is not None]
+                        running = [s for s in running if s.finish is None]
                     started, first = [], []
                     for s, n, token in self._prefill(self._next_pass(partial, pending, free, refill)):
                         s.prefilled += n
@@ -432,27 +485,38 @@ class FastGenerator:
                 self._ids[:b].copy_(tokens)
                 self._pos[:b] += 1
                 self._steps[:b] += 1
+                step = self._fetch(tokens, list(running))
                 self.stats["decode_steps"] += 1
-                self._record(running, tokens.tolist(), stop_token_ids, on_step)
-                if any(s.finish is not None for s in running):
-                    free += [s.slot for s in running if s.finish is not None]
-                    running = [s for s in running if s.finish is None]
-                    dirty = True
+                if lag is not None:  # the step before, finished or nearly: read while this one runs
+                    self._record(lag.rows, lag.wait(), stop_token_ids, on_step)
+                lag = step
+                # Rows done once this step's token is in (their limit), or stopped already (a stop token or
+                # the callback: this step's token for them is dropped), leave before the next step.
+                leaving = [s.finish is not None or len(s.tokens) + 1 >= s.params.max_tokens for s in running]
+                if any(leaving):
+                    free += [s.slot for s, gone in zip(running, leaving, strict=True) if gone]
+                    self._keep_rows([i for i, gone in enumerate(leaving) if not gone], b)
+                    running = [s for s, gone in zip(running, leaving, strict=True) if not gone]
+            if lag is not None:
+                self._record(lag.rows, lag.wait(), stop_token_ids, on_step)
         return [GenerationOutput(s.tokens, s.finish or "length") for s in seqs]
 
     @staticmethod
     def _record(
         rows: Sequence[_Seq], tokens: list[int], stop_ids: Collection[int], on_step: StepCallback | None
     ) -> None:
-        for s, t in zip(rows, tokens, strict=True):
+        """Append each row's token and mark the rows it finishes; rows that finished before (a decode
+        step launched before their stop was read) keep their tokens."""
+        live = [(s, t) for s, t in zip(rows, tokens, strict=True) if s.finish is None]
+        for s, t in live:
             s.tokens.append(t)
             if t in stop_ids and not s.params.ignore_eos:
                 s.finish = "stop"
             elif len(s.tokens) >= s.params.max_tokens:
                 s.finish = "length"
         if on_step is not None:
-            step = {s.index: t for s, t in zip(rows, tokens, strict=True)}
-            by_index = {s.index: s for s in rows}
+            step = {s.index: t for s, t in live}
+            by_index = {s.index: s for s, _ in live}
             for i in on_step(step) or ():
                 if i in by_index:
                     by_index[i].finish = "stop"
