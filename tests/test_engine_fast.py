@@ -199,6 +199,7 @@ def test_slots_refill_and_stop_rules():
         [prompts[1]], [SamplingParams(max_tokens=6, ignore_eos=True)], on_step=stop_second_step
     )[0]
     assert out.finish_reason == "stop" and len(out.token_ids) == 2
+    assert stop_second_step.calls == 2  # the step after the stop computed a token for it, never reported
 
 
 def test_decode_tokens_are_read_one_step_late(monkeypatch):

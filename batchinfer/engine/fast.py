@@ -277,7 +277,7 @@ class FastGenerator:
             return _Step(rows, tokens)
         i = self.stats["decode_steps"] % 2
         self._host_tokens[i][: len(rows)].copy_(tokens, non_blocking=True)
-        self._arrived[i].record()
+        self._arrived[i].record(torch.cuda.current_stream(self.device))
         return _Step(rows, self._host_tokens[i], self._arrived[i])
 
     def _sample(
@@ -514,7 +514,7 @@ class FastGenerator:
                 s.finish = "stop"
             elif len(s.tokens) >= s.params.max_tokens:
                 s.finish = "length"
-        if on_step is not None:
+        if on_step is not None and live:
             step = {s.index: t for s, t in live}
             by_index = {s.index: s for s, _ in live}
             for i in on_step(step) or ():
