@@ -42,9 +42,8 @@ def _chunk_configs(seqs: int = 1) -> dict[str, int]:
     docs/PERF.md session 14): 64-wide v-tiles on 4 warps once the sequential launch (seqs x 32 heads x 128 /
     BLOCK_V programs) fills the SMs anyway (8 x 2,048 tokens: 2,461 -> 1,681 us a layer against 16-wide
     tiles); one sequence (a 512-token prompt) keeps more programs with 32-wide tiles on 8 warps (78.6 ->
-    72.0 us). The warps of the
-    scores, inverse and W/U launches are chosen by the sm_90 compile (registers and instructions), not yet
-    timed."""
+    72.0 us). The warps of the scores, inverse and W/U launches are chosen by the sm_90 compile (registers
+    and instructions), not yet timed."""
     base = {"BT": 64, "state_stages": 3, "scores_warps": 8, "inv_warps": 1, "wu_warps": 4, "out_warps": 8}
     if _interpreted():
         return base | {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "scores_warps": 4, "out_warps": 4}
