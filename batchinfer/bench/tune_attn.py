@@ -220,7 +220,9 @@ def _gdn_chunk_point(dev: torch.device, seqs: int, length: int) -> list[dict[str
     chunk = lambda c, i: chunk_gated_delta_rule(
         q, k, v, a, b, A_log, dt_bias, state, slots, cu, length, config=c
     )
-    configs = [_chunk_configs(seqs)] + [_chunk_configs(seqs) | change for change in GDN_CHUNK]
+    default = _chunk_configs(seqs)
+    candidates = [default] + [default | change for change in GDN_CHUNK]
+    configs = [c for i, c in enumerate(candidates) if c not in candidates[:i]]  # a change may be the default
     name = f"gdn chunked prefill {seqs} x {length}"
     return _sweep(name, configs, chunk, lambda c: chunk(c, 0), ref, 1, {"tokens": T, "seqs": seqs})
 
