@@ -38,18 +38,18 @@ from batchinfer.kernels.nvfp4_gemm import interpreting
 
 def _chunk_configs(seqs: int = 1) -> dict[str, int]:
     """Chunk, v-tile, warps and stages of the five launches for a pass of `seqs` sequences. 64-token chunks
-    keep wgmma (M = 64). The sequential launch's tiles were tuned on the H200 (`tune_attn --parts gdn_chunk`,
-    docs/PERF.md session 14): 64-wide v-tiles on 4 warps once the sequential launch (seqs x 32 heads x 128 /
-    BLOCK_V programs) fills the SMs anyway (8 x 2,048 tokens: 2,461 -> 1,681 us a layer against 16-wide
-    tiles); one sequence (a 512-token prompt) keeps more programs with 32-wide tiles on 8 warps (78.6 ->
-    72.0 us). The warps of the scores, inverse and W/U launches are chosen by the sm_90 compile (registers
-    and instructions), not yet timed."""
+    keep wgmma (M = 64). Tuned on the H200 (`tune_attn --parts gdn_chunk`, docs/PERF.md sessions 14 and
+    18): 64-wide v-tiles on 4 warps once the sequential launch (seqs x 32 heads x 128 / BLOCK_V programs)
+    fills the SMs anyway (8 x 2,048 tokens: 2,461 -> 1,681 us a layer against 16-wide tiles), with two
+    pipeline stages (two programs an SM: 1,412 -> 1,385 us) and the scores launch on 4 warps (1,412 ->
+    1,318 us); one sequence (a 512-token prompt) keeps more programs with 32-wide tiles on 8 warps, where
+    neither change gained. The inverse and W/U launches' warps won no sweep."""
     base = {"BT": 64, "state_stages": 3, "scores_warps": 8, "inv_warps": 1, "wu_warps": 4, "out_warps": 8}
     if _interpreted():
         return base | {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "scores_warps": 4, "out_warps": 4}
     if seqs < 4:
         return base | {"BLOCK_V": 32, "num_warps": 8}
-    return base | {"BLOCK_V": 64, "num_warps": 4}
+    return base | {"BLOCK_V": 64, "num_warps": 4, "state_stages": 2, "scores_warps": 4}
 
 
 @triton.jit

@@ -182,6 +182,17 @@ def test_cli_breakdown_checks_its_model_and_needs_a_gpu():
     assert res.exit_code == 1 and "profiles CUDA kernels; --device cpu is not a GPU" in res.output
 
 
+def test_breakdown_groups_every_deltanet_kernel_as_its_rule():
+    # session 18's profile filed the split chunk launches under "other" until their names were added
+    from batchinfer.kernels import gdn, gdn_chunk
+
+    from batchinfer.bench.breakdown import GROUPS, _group
+
+    names = [n for mod in (gdn, gdn_chunk) for n in vars(mod) if n.endswith("_kernel")]
+    rule = [n for n in names if "rmsnorm" not in n]  # gdn.py holds the gated RMSNorm too
+    assert len(rule) >= 6 and {_group(n, GROUPS) for n in rule} == {"deltanet rule"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cli_breakdown_profiles_each_batch_and_a_pass(tmp_path):

@@ -27,7 +27,7 @@ GROUPS = (
     ("attention", r"attn|attention|decode_combine"),
     ("q/k norm + rope", r"qk_norm_rope"),
     ("deltanet conv", r"conv1d"),
-    ("deltanet rule", r"delta_rule|_chunk_(prep|state|out)_kernel"),
+    ("deltanet rule", r"delta_rule|_chunk_\w+_kernel"),
     ("gated rmsnorm", r"gated_rmsnorm"),
     ("add + rmsnorm", r"rmsnorm"),
     ("embedding", r"embedding"),
