@@ -75,8 +75,9 @@ def _gates(a_ptr, b_ptr, t, ok, h, stride_at, stride_bt, neg_a, dt_bias):
 
 @triton.jit
 def _chunk_rows(cu_ptr, BT: tl.constexpr):
-    """A chunk-parallel program's rows: program (sequence, chunk, v-head) -> (sequence, v-head, whether
-    the chunk exists, row index [BT], token index t [BT], which rows exist)."""
+    """A chunk-parallel program's rows: program (sequence, chunk, head) -> (sequence, head, whether the
+    chunk exists, row index [BT], token index t [BT], which rows exist). The head is a v-head, or a k-head
+    in the scores launch."""
     seq = tl.program_id(0).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     c0 = tl.load(cu_ptr + seq).to(tl.int64) + tl.program_id(1) * BT
@@ -141,42 +142,45 @@ def _dot_tf32(a, b, INTERPRET: tl.constexpr):
 @triton.jit
 def _chunk_scores_kernel(
     q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, cu_ptr, kt_ptr, qk_ptr, g_ptr, am_ptr,  #
-    HV_PER_K, q_scale,  #
+    q_scale,  #
     stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,  #
     stride_kt_t, stride_kt_h, stride_qkt, stride_qkh, stride_gt, stride_amt, stride_amh,  #
-    DK: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr,  #
+    HV_PER_K: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
-    """Per (sequence, chunk, v-head), what needs only the chunk's own keys and gates: its cumulative gates G
-    (fp32 `[T, Hv]`: the sequential kernel loads 4 bytes a row, which cp.async pipelines), the keys of the
-    state update (unit keys times exp(G_last - G), `[T, Hv, DK]`), the decayed causal scores
-    [exp(G_t - G_s) q_t . k_s]_{s <= t} (bf16 `[T, Hv, BT]`, for the output launch) and
-    A = [beta_t exp(G_t - G_s) k_t . k_s]_{s < t} (fp32 `[T, Hv, BT]`, its diagonal and the blocks below
-    it: the inverse launch reads nothing else)."""
+    """Per (sequence, chunk, k-head), what needs only the chunk's own keys and gates, for each of the
+    HV_PER_K v-heads that share the k-head: its cumulative gates G (fp32 `[T, Hv]`: the sequential kernel
+    loads 4 bytes a row, which cp.async pipelines), the keys of the state update (unit keys times
+    exp(G_last - G), `[T, Hv, DK]`), the decayed causal scores [exp(G_t - G_s) q_t . k_s]_{s <= t} (bf16
+    `[T, Hv, BT]`, for the output launch) and A = [beta_t exp(G_t - G_s) k_t . k_s]_{s < t} (fp32
+    `[T, Hv, BT]`, its diagonal and the blocks below it: the inverse launch reads nothing else). The
+    normalised q and k and their two dots are the k-head's, so they are made once for its v-heads."""
     PAD: tl.constexpr = BLOCK_K != DK
-    _, h, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
+    _, hk, live, rows, t, ok = _chunk_rows(cu_ptr, BT)
     if live:
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < DK
-        k_rows = k_ptr + (h // HV_PER_K) * stride_kh
-        kd = _l2_rows(k_rows, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
-        beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
-        tl.store(g_ptr + t * stride_gt + h, G, mask=ok)
-        last = tl.sum(ok.to(tl.int32), axis=0) - 1  # the chunk's last real row
-        g_last = tl.sum(tl.where(rows == last, G, 0.0), axis=0)
-        k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
-        tl.store(kt_ptr + t[:, None] * stride_kt_t + h * stride_kt_h + offs_k[None, :], k_tail,
-                 mask=_tile_mask(ok, k_ok, PAD))
+        kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
+        qd = _l2_rows(q_ptr + hk * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD, INTERPRET)
+        kk = _dot(kd, tl.trans(kd), INTERPRET)
+        qk0 = _dot(qd, tl.trans(kd), INTERPRET)
         lower = rows[:, None] > rows[None, :]
-        A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
-        A = A * _dot(kd, tl.trans(kd), INTERPRET)
-        tl.store(am_ptr + t[:, None] * stride_amt + h * stride_amh + rows[None, :], A,
-                 mask=ok[:, None] & (rows[:, None] // 16 >= rows[None, :] // 16))
-        qd = _l2_rows(q_ptr + (h // HV_PER_K) * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD,
-                      INTERPRET)
-        qk = _dot(qd, tl.trans(kd), INTERPRET)
-        qk = qk * tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], -float("inf")))
-        tl.store(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :],
-                 small_ops._to(qk, kd.dtype, INTERPRET), mask=ok[:, None])
+        causal = rows[:, None] >= rows[None, :]
+        last = tl.sum(ok.to(tl.int32), axis=0) - 1  # the chunk's last real row
+        for j in tl.static_range(HV_PER_K):
+            h = hk * HV_PER_K + j
+            beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
+            tl.store(g_ptr + t * stride_gt + h, G, mask=ok)
+            g_last = tl.sum(tl.where(rows == last, G, 0.0), axis=0)
+            k_tail = small_ops._to(kd.to(tl.float32) * tl.exp(g_last - G)[:, None], kd.dtype, INTERPRET)
+            tl.store(kt_ptr + t[:, None] * stride_kt_t + h * stride_kt_h + offs_k[None, :], k_tail,
+                     mask=_tile_mask(ok, k_ok, PAD))
+            A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
+            tl.store(am_ptr + t[:, None] * stride_amt + h * stride_amh + rows[None, :], A * kk,
+                     mask=ok[:, None] & (rows[:, None] // 16 >= rows[None, :] // 16))
+            qk = qk0 * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
+            tl.store(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :],
+                     small_ops._to(qk, kd.dtype, INTERPRET), mask=ok[:, None])
 
 
 @triton.jit
@@ -425,13 +429,14 @@ def chunk_gated_delta_rule(
     grid = (N, triton.cdiv(max(max_seqlen, 1), BT), Hv)
     gates = torch.empty((T, Hv), dtype=torch.float32, device=v.device)
     am = torch.empty((T, Hv, BT), dtype=torch.float32, device=k.device)  # A, then (I + A)^-1 in place
-    _chunk_scores_kernel[grid](
+    _chunk_scores_kernel[grid[:2] + (Hk,)](  # a program per k-head, for its Hv // Hk v-heads
         q, k, a, b, A_log, dt_bias, cu_seqlens, k_tail, qk, gates, am,
-        Hv // Hk, Dk**-0.5,
+        Dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
         k_tail.stride(0), k_tail.stride(1), qk.stride(0), qk.stride(1), gates.stride(0),
         am.stride(0), am.stride(1),
-        DK=Dk, BLOCK_K=block_k, BT=BT, INTERPRET=interpreting(), num_warps=cfg["scores_warps"],
+        HV_PER_K=Hv // Hk, DK=Dk, BLOCK_K=block_k, BT=BT, INTERPRET=interpreting(),
+        num_warps=cfg["scores_warps"],
     )
     _chunk_inverse_kernel[grid](
         am, cu_seqlens, am.stride(0), am.stride(1), BT=BT, INTERPRET=interpreting(),
