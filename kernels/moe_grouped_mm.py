@@ -3,12 +3,13 @@
 Past a few thousand (token, expert) entries every expert has rows, and the fused kernels of `moe.py`,
 which decode FP4 in registers inside the GEMM loop, spend most of their time decoding (one decode per
 weight per 16-row tile). Here each NVFP4 expert is decoded once per call (`dequantize_rows`: one read of
-its 4-bit codes, one bf16 write; ~1.6 GB of bf16 a Qwen3.6 layer, freed after the call) and the two GEMMs
-run as grouped GEMMs on the tensor cores (CUTLASS on Hopper, through PyTorch). bf16 experts skip the
-decode. Entries are sorted by expert (stable), so the result does not depend on the arrival order;
-`silu_mul` makes the activations and `_combine_kernel` weights each slot's output, rounds it to bf16 and
-sums a token's slots in fp32, as the grouped kernels do (one pass each, instead of PyTorch elementwise
-ops and a scatter, which took more time than the GEMMs). Graph-safe (no host sync), though only prefill
+its 4-bit codes, one bf16 write; ~1.6 GB of bf16 a Qwen3.6 layer, freed after the call) and the two
+GEMMs run as grouped GEMMs on the tensor cores (CUTLASS on Hopper, through PyTorch). bf16 experts skip
+the decode, and so do NVFP4 ones whose decoded copy the engine keeps (`bf16_experts`). Entries are
+sorted by expert (stable), so the result does not depend on the arrival order; `silu_mul` makes the
+activations and `_combine_kernel` weights each slot's output, rounds it to bf16 and sums a token's slots
+in fp32, as the grouped kernels do (one pass each, instead of PyTorch elementwise ops and a scatter,
+which took more time than the GEMMs). Graph-safe (no host sync), though only prefill
 passes use it.
 """
 
@@ -24,9 +25,12 @@ from batchinfer.kernels.small_ops import silu_mul
 
 
 def dequantize_experts(w: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stacked experts as bf16 `[E', 2I, D]` and `[E', D, I]` (NVFP4 decoded; bf16 returned as is)."""
+    """The stacked experts as bf16 `[E', 2I, D]` and `[E', D, I]` (NVFP4 decoded, or the copy decoded
+    once and kept in `w.decoded`; bf16 returned as is)."""
     if not w.nvfp4:
         return w.w13, w.w2
+    if w.decoded is not None:
+        return w.decoded
     mats = []
     for packed, scale, ts in (
         (w.w13, w.w13_scale, w.w13_tensor_scale),

@@ -26,6 +26,10 @@ class MoEWeights:
     num_experts: int  # routed experts E
     has_shared: bool
     paired: bool = False  # NVFP4 codes in `moe_tc`'s paired layout (`moe_tc.pair_moe_weights`)
+    # The NVFP4 experts decoded to bf16 `[E', 2I, D]`, `[E', D, I]` once and kept, so prefill's grouped
+    # GEMMs skip their per-call decode (`KernelModel(bf16_experts=True)`: memory for speed). None: decoded
+    # in each call.
+    decoded: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def router(self) -> torch.Tensor:

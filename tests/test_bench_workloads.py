@@ -223,6 +223,8 @@ def test_cli_refuses_ambiguous_models(tmp_path):
     assert res.exit_code == 2 and "--prefill-graph-tokens apply to the fast engine" in res.output
     res = runner.invoke(cli, [*base, "--engine", "reference", "--prefill-graph-tokens", "512"])
     assert res.exit_code == 2 and "--prefill-graph-tokens apply to the fast engine" in res.output
+    res = runner.invoke(cli, [*base, "--engine", "reference", "--bf16-experts"])
+    assert res.exit_code == 2 and "--bf16-experts applies to the fast engine" in res.output
     res = runner.invoke(
         cli, ["bench", "run", "--workload", "bogus", "--preset", "tiny-qwen3-moe", "--random"]
     )

@@ -11,6 +11,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from batchinfer.kernels import moe
+from batchinfer.kernels.moe import MoEGroupedMMConfig
+from batchinfer.kernels.moe_grouped_mm import dequantize_experts
 from click.testing import CliRunner
 from kernel_checks import rel_err
 
@@ -75,6 +78,24 @@ def test_16bit_deltanet_state_halves_its_bytes_and_stays_accurate(dtype):
     assert max(result.prefill_rel_l2, result.decode_rel_l2) <= 2e-2 and result.prefill_top1 >= 0.95, result
     with pytest.raises(ValueError, match="deltanet_state: expected one of float32, bfloat16, float16"):
         KernelModel(cfg, dict(ref.weights), deltanet_state=torch.float64)
+
+
+def test_bf16_experts_keep_every_layers_decoded_copy_and_the_same_outputs(monkeypatch):
+    """The `bf16_experts` option: each layer's NVFP4 experts decoded once at load time and kept, and the
+    prefill, on the grouped GEMMs that read them, gives the same logits as decoding in every pass."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed")
+    kept = KernelModel(cfg, dict(ref.weights), bf16_experts=True)
+    for plain, layer in zip(km.layers, kept.layers, strict=True):
+        assert plain.moe.decoded is None and layer.moe.nvfp4
+        for a, b in zip(layer.moe.decoded, dequantize_experts(plain.moe), strict=True):
+            assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    monkeypatch.setattr(moe, "_moe_configs", lambda *a, **k: MoEGroupedMMConfig())  # every pass grouped
+    prompts = _random_prompts(cfg.vocab_size, [24, 70])
+    logits = [m.prefill_prompts(m.new_state(2, 80), prompts, [0, 1]) for m in (km, kept)]
+    assert torch.equal(*logits)
+    w13, w2 = kept.layers[0].moe.decoded
+    kept.layers[0].moe.decoded = (w13, w2 * 0)  # the pass reads the copy, not the codes
+    assert not torch.equal(kept.prefill_prompts(kept.new_state(2, 80), prompts, [0, 1]), logits[0])
 
 
 @pytest.mark.parametrize("preset,quant", [("tiny-qwen3.5-moe", "mixed"), ("tiny-qwen3-moe", "nvfp4")])
@@ -463,6 +484,17 @@ def test_deltanet_state_engine_argument_is_checked():
         load_engine(DEMO, device="cpu", engine="fast", deltanet_state="fp16")
     with pytest.raises(ConfigError, match="deltanet_state=float16 applies to the fast engine"):
         load_engine(DEMO, device="cpu", engine="reference", deltanet_state="float16")
+
+
+def test_bf16_experts_engine_argument_is_checked():
+    with pytest.raises(ConfigError, match="bf16_experts='maybe': expected true or false"):
+        load_engine(DEMO, device="cpu", engine="fast", bf16_experts="maybe")
+    with pytest.raises(ConfigError, match="bf16_experts=true applies to the fast engine"):
+        load_engine(DEMO, device="cpu", engine="reference", bf16_experts="true")
+    engine = load_engine(
+        DEMO.with_name(DEMO.name + "-nvfp4"), device="cpu", engine="fast", bf16_experts="true"
+    )
+    assert all(layer.moe.decoded is not None for layer in engine.generator.model.layers)
 
 
 def test_kv_cache_engine_argument_is_checked():

@@ -1,5 +1,7 @@
 """Fused MoE (routing, alignment, grouped GEMMs) against fp32 references; CPU shapes and real GPU shapes."""
 
+import dataclasses
+
 import pytest
 import torch
 from batchinfer.kernels import moe
@@ -158,6 +160,21 @@ def test_dequantized_experts_are_the_reference_weights():
         ref13, ref2 = moe._expert_weights_f32(w, e)  # separate gate and up tensor scales
         torch.testing.assert_close(w13[e].float(), ref13, rtol=2**-8, atol=0)
         torch.testing.assert_close(w2[e].float(), ref2, rtol=2**-8, atol=0)
+
+
+def test_grouped_mm_reads_a_kept_decoded_copy_instead_of_decoding():
+    """`MoEWeights.decoded` (the engine's `bf16_experts`): the grouped GEMMs read the copy as it is, so
+    with the copy the decode is skipped and the result is the same bit for bit."""
+    w = _weights(6, 64, 48, True, True, seed=63)
+    ids, route_w, g = _route(9, 3, 7, seed=64)
+    h = torch.randn(9, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    decoded = dequantize_experts(w)
+    kept = dataclasses.replace(w, decoded=decoded)
+    assert all(a is b for a, b in zip(dequantize_experts(kept), decoded, strict=True))
+    out = moe_experts(h, ids, route_w, kept, config=MoEGroupedMMConfig())
+    assert torch.equal(out, moe_experts(h, ids, route_w, w, config=MoEGroupedMMConfig()))
+    marked = dataclasses.replace(w, decoded=(decoded[0] * 0, decoded[1]))  # the copy, not the codes, is read
+    assert not torch.equal(moe_experts(h, ids, route_w, marked, config=MoEGroupedMMConfig()), out)
 
 
 def test_grouped_mm_path_is_the_large_batch_default(monkeypatch):

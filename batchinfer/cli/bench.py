@@ -196,6 +196,12 @@ def breakdown_cmd(
     "half the bytes, costs accuracy).",
 )
 @click.option(
+    "--bf16-experts",
+    is_flag=True,
+    help="Fast engine: keep the NVFP4 experts decoded to bf16 from load time, so prefill passes skip "
+    "their decode (same outputs; ~64 GB more at Qwen3.6's shape, so fewer slots: for prefill-bound work).",
+)
+@click.option(
     "--prefill-tokens",
     default=(16384,),  # engine.fast.PREFILL_TOKENS (not imported: --help stays free of torch)
     multiple=True,
@@ -266,6 +272,7 @@ def run(
     max_slots: tuple[int, ...],
     deltanet_state: str,
     kv_cache: str,
+    bf16_experts: bool,
     prefill_tokens: tuple[int, ...],
     refill_fraction: tuple[float, ...],
     prefill_graph_tokens: int,
@@ -310,6 +317,8 @@ def run(
         raise click.UsageError("--deltanet-state applies to the fast engine (--engine fast)")
     if kv_cache != "bfloat16" and engine_name != "fast":
         raise click.UsageError("--kv-cache applies to the fast engine (--engine fast)")
+    if bf16_experts and engine_name != "fast":
+        raise click.UsageError("--bf16-experts applies to the fast engine (--engine fast)")
     schedule = (max_slots, prefill_tokens, refill_fraction, prefill_graph_tokens)
     if schedule != ((1024,), (16384,), (0.125,), 2048) and engine_name != "fast":
         raise click.UsageError(
@@ -329,7 +338,11 @@ def run(
         from batchinfer.kernels.kv_cache import KV_DTYPES
 
         kernel_model = KernelModel(
-            bm.config, bm.weights, deltanet_state=STATE_DTYPES[deltanet_state], kv_cache=KV_DTYPES[kv_cache]
+            bm.config,
+            bm.weights,
+            deltanet_state=STATE_DTYPES[deltanet_state],
+            kv_cache=KV_DTYPES[kv_cache],
+            bf16_experts=bf16_experts,
         )
         exactness = engine_exactness(
             kernel_model,

@@ -3,7 +3,9 @@
 Weights are laid out once at load time for the kernels:
 - routed experts (and Qwen3.5's shared expert, stacked as one more expert) stay NVFP4 and run in the
   fused MoE kernel, which decodes FP4 in registers; bf16 experts run the same kernel unquantized
-  (FP8 experts, which no supported checkpoint has, are dequantized to bf16);
+  (FP8 experts, which no supported checkpoint has, are dequantized to bf16). Prefill passes decode each
+  layer's NVFP4 experts to bf16 for the grouped GEMMs, unless `bf16_experts` keeps those copies from
+  load time (3.6x the experts' NVFP4 bytes: ~64 GB at Qwen3.6's shape, so fewer slots);
 - every other linear (attention and DeltaNet projections, lm_head) is dequantized to bf16 once and
   runs on cuBLAS, with the projections that read the same input concatenated into one matrix
   (q|k|v, DeltaNet qkv|z|b|a). Measured on the H200 (docs/PERF.md), cuBLAS on the bf16 weight beats
@@ -42,6 +44,7 @@ from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 from batchinfer.kernels.kv_cache import store_kv
 from batchinfer.kernels.moe import fused_moe
+from batchinfer.kernels.moe_grouped_mm import dequantize_experts
 from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
@@ -192,6 +195,7 @@ class KernelModel:
         weights: Mapping[str, Linear],
         deltanet_state: torch.dtype = torch.float32,
         kv_cache: torch.dtype = torch.bfloat16,
+        bf16_experts: bool = False,
     ) -> None:
         if deltanet_state not in STATE_DTYPES.values():
             choices = ", ".join(STATE_DTYPES)
@@ -200,6 +204,7 @@ class KernelModel:
             raise ValueError(f"kv_cache: expected bfloat16 or float8_e4m3fn, got {kv_cache}")
         self.deltanet_state = deltanet_state
         self.kv_cache = kv_cache
+        self.bf16_experts = bf16_experts
         c = self.config = config
         self.device = weights["embed_tokens"].device
         self.dtype = torch.bfloat16
@@ -259,6 +264,8 @@ class KernelModel:
             # the tensor-core MoE kernels read this layout (the decode path and grouped_mm too); other
             # widths keep the standard layout and the fused grouped GEMMs
             moe = pair_moe_weights(moe)
+        if self.bf16_experts and moe.nvfp4:
+            moe.decoded = dequantize_experts(moe)
         return LayerWeights(
             w[p + "input_layernorm"].to(torch.bfloat16),
             w[p + "post_attention_layernorm"].to(torch.bfloat16),

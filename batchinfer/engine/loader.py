@@ -68,6 +68,16 @@ def _as_int(name: str, value: int | str) -> int:
         raise ConfigError(f"engine argument {name}={value!r} is not an integer") from None
 
 
+def _as_bool(name: str, value: bool | str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"engine argument {name}={value!r}: expected true or false")
+
+
 def load_engine(
     model_path: str | Path,
     device: str = "auto",
@@ -78,6 +88,7 @@ def load_engine(
     max_slots: int | str = MAX_SLOTS,
     deltanet_state: str = "float32",
     kv_cache: str = "bfloat16",
+    bf16_experts: bool | str = False,
     prefill_tokens: int | str = PREFILL_TOKENS,
     refill_fraction: float | str = REFILL_FRACTION,
     prefill_graph_tokens: int | str = PREFILL_GRAPH_TOKENS,
@@ -92,6 +103,8 @@ def load_engine(
     engine's cap on concurrent sequences (it also fits them to free memory). `deltanet_state` (fast
     engine, Qwen3.5/3.6): `float32` (the checkpoints' own), `bfloat16` or `float16` recurrent state.
     `kv_cache` (fast engine): `bfloat16` or `fp8` (E4M3 with a scale per token and head: half the KV bytes).
+    `bf16_experts` (fast engine): keep the NVFP4 experts decoded to bf16 from load time, so prefill passes
+    skip their decode (the same outputs, 3.6x the experts' bytes: fewer slots; for prefill-bound jobs).
     `prefill_tokens` and `refill_fraction` (fast engine): prompt tokens a prefill pass, and the fraction
     of the slots that must be free before waiting prompts are prefilled; `prefill_graph_tokens` (fast
     engine): a lone fresh prompt of up to that many tokens is prefilled by a CUDA graph, 0 never
@@ -102,6 +115,7 @@ def load_engine(
     max_model_len = None if max_model_len in (None, "") else _as_int("max_model_len", max_model_len)
     max_batch_size = _as_int("max_batch_size", max_batch_size)
     max_slots = _as_int("max_slots", max_slots)
+    bf16_experts = _as_bool("bf16_experts", bf16_experts)
     prefill_tokens = _as_int("prefill_tokens", prefill_tokens)
     prefill_graph_tokens = _as_int("prefill_graph_tokens", prefill_graph_tokens)
     if prefill_graph_tokens < 0:
@@ -140,6 +154,8 @@ def load_engine(
         raise ConfigError(f"engine argument kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
     if kv_cache != "bfloat16" and not fast:
         raise ConfigError(f"engine argument kv_cache={kv_cache} applies to the fast engine (engine=fast)")
+    if bf16_experts and not fast:
+        raise ConfigError("engine argument bf16_experts=true applies to the fast engine (engine=fast)")
     if not fast and (prefill_tokens, refill_fraction, prefill_graph_tokens) != (
         PREFILL_TOKENS,
         REFILL_FRACTION,
@@ -171,7 +187,11 @@ def load_engine(
     if fast:
         QwenMoeModel(config, weights, dtype=torch_dtype)  # the same checks of names and shapes
         kernel_model = KernelModel(
-            config, weights, deltanet_state=STATE_DTYPES[deltanet_state], kv_cache=KV_DTYPES[kv_cache]
+            config,
+            weights,
+            deltanet_state=STATE_DTYPES[deltanet_state],
+            kv_cache=KV_DTYPES[kv_cache],
+            bf16_experts=bf16_experts,
         )
         generator = FastGenerator(
             kernel_model,
