@@ -3,12 +3,15 @@
 M is the batch (decode ops, sampling) or the token count (prefill ops, row ops). Bytes are the fewest a
 call must move: decode attention reads the KV of every row once (context `_ctx(m)`), the recurrent
 DeltaNet step reads and writes each row's state once. Baselines: "sdpa" (torch
-`scaled_dot_product_attention`, KV heads pre-expanded so the flash backend applies) and "torch" (the
-same math in vectorised torch ops, for DeltaNet and sampling).
+`scaled_dot_product_attention`, KV heads pre-expanded so the flash backend applies), "varlen_flash" (torch's
+packed flash attention, `torch.nn.attention.varlen`, where this torch has it: the one peer that takes
+`cu_seqlens` as our prefill does) and "torch" (the same math in vectorised torch ops, for DeltaNet and
+sampling).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -74,6 +77,24 @@ def _decode_attn(cfg: ModelConfig, batch: int, dev: torch.device, fp8: bool = Fa
     )
 
 
+def _varlen_flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, tokens: int
+) -> dict[str, Callable[[int], torch.Tensor]]:
+    """torch's causal varlen flash attention over the packed tensors, as a baseline; {} where this torch
+    lacks it. Its causal flag and GQA support changed between releases, so both are read off its signature."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return {}
+    params = inspect.signature(varlen_attn).parameters
+    kw: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    else:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
+    return {"varlen_flash": lambda i: varlen_attn(q, k, v, cu, cu, tokens, tokens, **kw)}
+
+
 def _prefill_attn(cfg: ModelConfig, tokens: int, dev: torch.device) -> Timed:
     H, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = torch.randn(tokens, H, Dh, device=dev, dtype=BF16)
@@ -89,7 +110,10 @@ def _prefill_attn(cfg: ModelConfig, tokens: int, dev: torch.device) -> Timed:
         n_sets=1,
         bytes=2 * tokens * (2 * H + 2 * Hkv) * Dh,
         flops=2 * H * tokens * tokens * Dh,  # QK^T and PV, each 2*T*T*Dh, halved by the causal mask
-        baselines={"sdpa": lambda i: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)},
+        baselines={
+            "sdpa": lambda i: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+            **_varlen_flash(q, k, v, cu, tokens),
+        },
     )
 
 
