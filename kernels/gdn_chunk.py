@@ -40,16 +40,18 @@ def _chunk_configs(seqs: int = 1) -> dict[str, int]:
     """Chunk, v-tile, warps and stages of the five launches for a pass of `seqs` sequences. 64-token chunks
     keep wgmma (M = 64). Tuned on the H200 (`tune_attn --parts gdn_chunk`, docs/PERF.md sessions 14 and
     18): 64-wide v-tiles on 4 warps once the sequential launch (seqs x 32 heads x 128 / BLOCK_V programs)
-    fills the SMs anyway (8 x 2,048 tokens: 2,461 -> 1,681 us a layer against 16-wide tiles), with two
-    pipeline stages (two programs an SM: 1,412 -> 1,385 us) and the scores launch on 4 warps (1,412 ->
-    1,318 us); one sequence (a 512-token prompt) keeps more programs with 32-wide tiles on 8 warps, where
-    neither change gained. The inverse and W/U launches' warps won no sweep."""
-    base = {"BT": 64, "state_stages": 3, "scores_warps": 8, "inv_warps": 1, "wu_warps": 4, "out_warps": 8}
+    fills the SMs anyway (8 x 2,048 tokens: 2,461 -> 1,681 us a layer against 16-wide tiles), there with
+    two pipeline stages (two programs an SM: 1,412 -> 1,385 us); one sequence (a 512-token prompt) keeps
+    more programs with 32-wide tiles on 8 warps. The scores launch runs on 4 warps: when it ran a program a
+    v-head, that took 1,412 -> 1,318 us at 8 x 2,048 (78.6 -> 80.1 at one sequence); a program a k-head
+    (session 18, untimed) holds 174 registers on 8 warps (one program an SM), 244 on 4 (two). The inverse
+    and W/U launches' warps won no sweep."""
+    base = {"BT": 64, "state_stages": 3, "scores_warps": 4, "inv_warps": 1, "wu_warps": 4, "out_warps": 8}
     if _interpreted():
-        return base | {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "scores_warps": 4, "out_warps": 4}
+        return base | {"BT": 16, "BLOCK_V": 16, "num_warps": 4, "out_warps": 4}
     if seqs < 4:
         return base | {"BLOCK_V": 32, "num_warps": 8}
-    return base | {"BLOCK_V": 64, "num_warps": 4, "state_stages": 2, "scores_warps": 4}
+    return base | {"BLOCK_V": 64, "num_warps": 4, "state_stages": 2}
 
 
 @triton.jit
@@ -161,13 +163,10 @@ def _chunk_scores_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < DK
         kd = _l2_rows(k_ptr + hk * stride_kh, t, ok, stride_kt, offs_k, k_ok, 1.0, PAD, INTERPRET)
-        qd = _l2_rows(q_ptr + hk * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD, INTERPRET)
-        kk = _dot(kd, tl.trans(kd), INTERPRET)
-        qk0 = _dot(qd, tl.trans(kd), INTERPRET)
         lower = rows[:, None] > rows[None, :]
-        causal = rows[:, None] >= rows[None, :]
         last = tl.sum(ok.to(tl.int32), axis=0) - 1  # the chunk's last real row
-        for j in tl.static_range(HV_PER_K):
+        kk = _dot(kd, tl.trans(kd), INTERPRET)
+        for j in tl.static_range(HV_PER_K):  # two loops: one 64 x 64 fp32 tile live at a time
             h = hk * HV_PER_K + j
             beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
             tl.store(g_ptr + t * stride_gt + h, G, mask=ok)
@@ -178,6 +177,12 @@ def _chunk_scores_kernel(
             A = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * beta[:, None], 0.0)
             tl.store(am_ptr + t[:, None] * stride_amt + h * stride_amh + rows[None, :], A * kk,
                      mask=ok[:, None] & (rows[:, None] // 16 >= rows[None, :] // 16))
+        qd = _l2_rows(q_ptr + hk * stride_qh, t, ok, stride_qt, offs_k, k_ok, q_scale, PAD, INTERPRET)
+        qk0 = _dot(qd, tl.trans(kd), INTERPRET)
+        causal = rows[:, None] >= rows[None, :]
+        for j in tl.static_range(HV_PER_K):
+            h = hk * HV_PER_K + j
+            _beta, G = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, t, ok, h, stride_at, stride_bt)
             qk = qk0 * tl.exp(tl.where(causal, G[:, None] - G[None, :], -float("inf")))
             tl.store(qk_ptr + t[:, None] * stride_qkt + h * stride_qkh + rows[None, :],
                      small_ops._to(qk, kd.dtype, INTERPRET), mask=ok[:, None])

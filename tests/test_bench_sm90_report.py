@@ -5,7 +5,6 @@ the limit, on this CPU (Triton's bundled ptxas). The interpreter cannot catch a 
 compile (the ViT LayerNorm's global-block form did not, session 14)."""
 
 import os
-import re
 import subprocess
 import sys
 
@@ -38,10 +37,6 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert serialized["_fp8_rows_mm_kernel"] == ""
     ctas = {name: int(r[13].strip(" |")) for (name, case), r in by_kernel.items() if case == "prefill"}
     assert ctas["_chunk_inverse_kernel"] >= 8  # small tiles, many programs an SM (one for the fused form)
-    warps = {
-        name: int(re.search(r"'num_warps': (\d+)", r[2])[1])
-        for (name, case), r in by_kernel.items()
-        if case == "prefill"
-    }
-    assert ctas["_chunk_scores_kernel"] * warps["_chunk_scores_kernel"] >= 8  # warps an SM, not one program's
+    scores = by_kernel[("_chunk_scores_kernel", "prefill")]  # a program a k-head, for its v-heads
+    assert ctas["_chunk_scores_kernel"] >= 2 and int(scores[4]) == 0  # two an SM, no spills
     assert ctas["_chunk_wu_kernel"] >= 4

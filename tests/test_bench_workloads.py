@@ -290,13 +290,15 @@ def test_cli_runs_each_workload_under_every_schedule(monkeypatch, tmp_path):
     monkeypatch.setattr(workload_run, "run_benchmark", fake_run)
     out = tmp_path / "r.json"
     args = ["bench", "run", "--workload", "single,extract", "--preset", "tiny-qwen3-moe", "--random"]
-    args += ["--engine", "fast", "--device", "cpu", "--max-slots", "2", "--max-slots", "8"]
-    args += ["--refill-fraction", "0.25", "--refill-fraction", "0.5", "--json", str(out)]
+    args += ["--quant", "nvfp4", "--engine", "fast", "--device", "cpu"]
+    args += ["--max-slots", "2", "--max-slots", "8"]
+    args += ["--refill-fraction", "0.25", "--refill-fraction", "0.5", "--bf16-experts", "--json", str(out)]
     res = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     runs = json.loads(out.read_text())
     got = [(r["workload"], r["engine"]["max_slots"], r["engine"]["refill_fraction"]) for r in runs]
     assert got == [(w, s, f) for s in ("2", "8") for f in ("0.25", "0.5") for w in ("single", "extract")]
+    assert {r["engine"]["bf16_experts"] for r in runs} == {"True"}  # the NVFP4 experts' copies were made
     assert checks == [1] and res.output.count("schedule: max_slots") == 8
     res = CliRunner().invoke(cli, ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3-moe",
                                    "--random", "--engine", "reference", "--max-slots", "4"])  # fmt: skip

@@ -103,7 +103,7 @@ class FastTokenEngine:
             "prefill_graph_tokens": str(g.prefill_graph_tokens),
             "deltanet_state": str(g.model.deltanet_state).removeprefix("torch."),
             "kv_cache": "fp8" if g.model.kv_cache == torch.float8_e4m3fn else "bfloat16",
-            "bf16_experts": str(g.model.bf16_experts),
+            "bf16_experts": str(any(layer.moe.decoded is not None for layer in g.model.layers)),
             "cuda_graphs": str(g.cuda_graphs),
             **{k: str(v) for k, v in g.stats.items()},
         }

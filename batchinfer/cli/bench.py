@@ -198,8 +198,9 @@ def breakdown_cmd(
 @click.option(
     "--bf16-experts",
     is_flag=True,
-    help="Fast engine: keep the NVFP4 experts decoded to bf16 from load time, so prefill passes skip "
-    "their decode (same outputs; ~64 GB more at Qwen3.6's shape, so fewer slots: for prefill-bound work).",
+    help="Fast engine: keep the NVFP4 experts decoded to bf16 from load time, so large prefill passes "
+    "(~8k+ tokens at Qwen3.6's shape) skip their decode (same outputs; ~65 GB more at that shape, so fewer "
+    "slots: for prefill-bound work).",
 )
 @click.option(
     "--prefill-tokens",

@@ -202,6 +202,8 @@ class KernelModel:
             raise ValueError(f"deltanet_state: expected one of {choices}, got {deltanet_state}")
         if kv_cache not in (torch.bfloat16, torch.float8_e4m3fn):
             raise ValueError(f"kv_cache: expected bfloat16 or float8_e4m3fn, got {kv_cache}")
+        if not isinstance(bf16_experts, bool):
+            raise ValueError(f"bf16_experts: expected a bool, got {bf16_experts!r}")
         self.deltanet_state = deltanet_state
         self.kv_cache = kv_cache
         self.bf16_experts = bf16_experts

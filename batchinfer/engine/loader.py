@@ -71,9 +71,9 @@ def _as_int(name: str, value: int | str) -> int:
 def _as_bool(name: str, value: bool | str) -> bool:
     if isinstance(value, bool):
         return value
-    if value.lower() in ("true", "1", "yes"):
+    if str(value).strip().lower() in ("true", "1", "yes"):
         return True
-    if value.lower() in ("false", "0", "no"):
+    if str(value).strip().lower() in ("false", "0", "no"):
         return False
     raise ConfigError(f"engine argument {name}={value!r}: expected true or false")
 
