@@ -106,6 +106,9 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
 )
 @click.option("--device", default="cuda", show_default=True, help="cuda or cuda:N.")
 @click.option(
+    "--bf16-experts", is_flag=True, help="Keep the NVFP4 experts decoded to bf16 (as `bench run` does)."
+)
+@click.option(
     "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the profiles here."
 )
 def breakdown_cmd(
@@ -118,6 +121,7 @@ def breakdown_cmd(
     prompts: int,
     prompt_len: int,
     device: str,
+    bf16_experts: bool,
     json_out: str | None,
 ) -> None:
     """Where the GPU engine's time goes: per-kernel device time of one decode step at each --batch (and the
@@ -142,7 +146,8 @@ def breakdown_cmd(
         raw, tensors = build_checkpoint(preset, quant=quant, device=str(dev))
         config, weights = load_checkpoint(tensors, config=raw, device=dev, dtype=torch.bfloat16)
         del tensors
-    doc = breakdown(KernelModel(config, weights), batches or (1, 32), context, prompts, prompt_len)
+    model = KernelModel(config, weights, bf16_experts=bf16_experts)
+    doc = breakdown(model, batches or (1, 32), context, prompts, prompt_len)
     for line in format_breakdown(doc):
         click.echo(line)
     if json_out:
