@@ -31,7 +31,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from batchinfer.kernels import small_ops
+from batchinfer.kernels import pdl, small_ops
 from batchinfer.kernels.kv_cache import cache_scales, dequantize_kv
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
@@ -205,7 +205,9 @@ def _decode_attn_kernel(
     stride_ss, stride_sh, stride_gb, stride_gh, stride_ob, stride_oh,  #
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,  #
     HAS_GATE: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -271,7 +273,9 @@ def _decode_combine_kernel(
     stride_gb, stride_gh, stride_ob, stride_oh,  #
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_GATE: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -413,13 +417,13 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_sc.stride(0), k_sc.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
         HEAD_DIM=Dh, BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), NUM_SPLITS=splits,
-        HAS_GATE=gate is not None, FP8=fp8, INTERPRET=interpreting(), **cfg,
+        HAS_GATE=gate is not None, FP8=fp8, INTERPRET=interpreting(), **cfg, **pdl.launch(o.device)
     )
     if splits > 1:
         _decode_combine_kernel[(B, H)](
             part_o, part_lse, g, o, H, g.stride(0), g.stride(1), o.stride(0), o.stride(1),
             HEAD_DIM=Dh, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HAS_GATE=gate is not None,
-            INTERPRET=interpreting(), num_warps=4,
+            INTERPRET=interpreting(), num_warps=4, **pdl.launch(o.device)
         )
     return o
 

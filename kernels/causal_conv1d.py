@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from batchinfer.kernels import small_ops
+from batchinfer.kernels import pdl, small_ops
 from batchinfer.kernels.gdn import _check, _check_past, _interpreted
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
@@ -78,7 +78,9 @@ def _conv1d_update_kernel(
     C,  #
     stride_xb, stride_wc, stride_ss, stride_sk, stride_ob,  #
     K: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
@@ -166,7 +168,7 @@ def causal_conv1d_update(
         x, weight, slot_ids, conv_state, out,
         C,
         x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        K=K, BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4,
+        K=K, BLOCK_C=block_c, INTERPRET=interpreting(), num_warps=4, **pdl.launch(out.device)
     )
     return out
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import pdl
 from batchinfer.kernels.nvfp4 import FP8Weight
 from batchinfer.kernels.nvfp4_gemm import (
     FUSED_MAX_M,
@@ -125,12 +126,14 @@ def _fp8_gemv_kernel(
     N, N_TAIL, K, stride_wn, stride_s,  #
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_TAIL: tl.constexpr,  #
     STAGES: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """out[n] = scale[n] * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K (scale[n]
     at n * stride_s: 0 for one tensor scale, 1 for stacked weights' rows); with HAS_TAIL, rows N to
     N + N_TAIL are bf16 rows of `tail` [N_TAIL, K] (scale 1), a tile across the boundary runs both loops.
     Partial sums [BLOCK_N, BLOCK_K] per thread, one reduction at the end, split partials summed in split
     order by the last program to finish (as `_fp8_gemm_kernel`)."""
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -227,7 +230,7 @@ def _fp8_gemv(
         x, w.data.view(torch.uint8), w.scale, x if tail is None else tail, out, ws, locks,  #
         n, n_tail, k, w.data.stride(0), int(w.scale.ndim == 1),  #
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_TAIL=tail is not None,  #
-        STAGES=cfg.num_stages, num_warps=cfg.num_warps,  #
+        STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl.launch(out.device),  #
     )
 
 

@@ -31,7 +31,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from batchinfer.kernels import small_ops
+from batchinfer.kernels import pdl, small_ops
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
@@ -79,9 +79,11 @@ def _delta_rule_kernel(
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,  #
     DECODE: tl.constexpr, CONTINUE: tl.constexpr, INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     # Padded (e.g. Dk = Dv = 48 in a 64-wide tile): zeros in the padded k lanes keep the norms, S's extra
     # rows and every dot exact; padded v lanes are computed on zeros and never stored.
+    pdl.enter(PDL)
     PAD: tl.constexpr = (BLOCK_K != DK) | (DV % BLOCK_V != 0)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -136,8 +138,10 @@ def _gated_rmsnorm_kernel(
     R, H, eps,  #
     stride_xt, stride_xh, stride_zt, stride_zh, stride_out,  #
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """Rows r = (t, h) of x, z `[T, H, D]` with free t and h strides (z is a view of the in-projection)."""
+    pdl.enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     t, h = rows // H, rows % H
     offs = tl.arange(0, BLOCK_D)
@@ -204,7 +208,7 @@ def gated_delta_rule(
         a.stride(0), b.stride(0),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         DK=Dk, DV=Dv, BLOCK_K=triton.next_power_of_2(Dk), DECODE=decode, CONTINUE=past is not None,
-        INTERPRET=interpreting(), **cfg,
+        INTERPRET=interpreting(), **cfg, **pdl.launch(o.device)
     )
     return o
 
@@ -236,6 +240,7 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     _gated_rmsnorm_kernel[(triton.cdiv(R, block_r),)](
         x3, z3, weight, out, R, H, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), out.stride(0),
         D=Dv, BLOCK_D=triton.next_power_of_2(Dv), BLOCK_R=block_r, INTERPRET=interpreting(), num_warps=4,
+        **pdl.launch(out.device),
     )
     return out.view(x.shape)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import pdl
 
 FP8_MAX = 448.0
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -42,8 +43,10 @@ def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, pos_ptr,  #
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch, stride_ct, stride_ss, stride_sh,  #
     HEAD_DIM: tl.constexpr, FP8: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """One (token, kv head) a program: its key and value rows into the caches (one launch for both)."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -134,5 +137,5 @@ def store_kv(
         k, v, k_cache, v_cache, ks, vs, slots, positions,  #
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),  #
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1),  #
-        HEAD_DIM=dh, FP8=fp8, num_warps=1 if dh <= 128 else 2,  #
+        HEAD_DIM=dh, FP8=fp8, num_warps=1 if dh <= 128 else 2, **pdl.launch(k_cache.device),  #
     )

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import pdl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
 from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc, paired_dot8, scale_offset, slot_k
@@ -169,7 +170,9 @@ def _moe_route_kernel(
     logits_ptr, ids_ptr, weights_ptr,  #
     E, stride_lt,  #
     TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
@@ -216,7 +219,7 @@ def moe_route(
         # at one token against 3.69 with 4 warps, 3.38 / 4.00 at 32, 3.49 / 4.55 at 512)
         _moe_route_kernel[(t,)](logits, ids, weights, num_experts, logits.stride(0), TOP_K=top_k,
                                 E_PAD=triton.next_power_of_2(num_experts), RENORM=renormalize, SHARED=shared,
-                                num_warps=1)
+                                num_warps=1, **pdl.launch(ids.device))
     return ids, weights
 
 
@@ -423,11 +426,13 @@ def _moe_decode_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """out[entry] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for one entry, BLOCK_N columns n and one
     of SPLIT ranges of K, with tok = entry // A_DIV; stored K-group-major ([16, N / 16]: column n at
     (n % 16) * N/16 + n // 16, or the paired layout's order (`_x_at`)), the order in which the down
     kernel reads its x."""
+    pdl.enter(PDL)
     entry = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -474,10 +479,12 @@ def _moe_decode_down_kernel(
     stride_xm, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """out[t, n] = sum over the token's A slots of route_w * (x[entry] . down_e[n]) (this program: one of
     SPLIT ranges of slots), x rows K-group-major; the top-k combine and the routing weights are fused
     here, summed in fp32 and rounded once."""
+    pdl.enter(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -535,7 +542,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
         h.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(w.w13_scale, w.paired),  #
         inter.stride(0),  #
         BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, PAIRED=w.paired, INTERPRET=interpreting(),  #
-        num_warps=warps, num_stages=1,  #
+        num_warps=warps, num_stages=1, **pdl.launch(inter.device),  #
     )
     block_n, block_g, warps, split = cfg.down
     split = min(split, a)  # no split without a slot of its own
@@ -548,7 +555,7 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
         inter.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w.w2_scale, w.paired),  #
         out.stride(0),  #
         BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, PAIRED=w.paired, INTERPRET=interpreting(),  #
-        num_warps=warps, num_stages=1,  #
+        num_warps=warps, num_stages=1, **pdl.launch(out.device),  #
     )
     return out
 

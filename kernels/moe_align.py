@@ -18,16 +18,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import pdl
 
 _CHUNK = 64
 
 
 @triton.jit
 def _moe_hist_kernel(
-    ids_ptr, hist_ptr, sorted_ptr, NUMEL, MAX_PADDED, FILL, E_PAD: tl.constexpr, CHUNK: tl.constexpr
+    ids_ptr, hist_ptr, sorted_ptr, NUMEL, MAX_PADDED, FILL,  #
+    E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,  #
 ):
     """Chunk pid's expert histogram; and the sentinel NUMEL into sorted_ids[pid * FILL, (pid + 1) * FILL)
     (the scatter overwrites the real entries' places later)."""
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < NUMEL, other=-1)
@@ -44,8 +47,10 @@ def _moe_offsets_kernel(
     hist_ptr, chunk_base_ptr, ends_ptr, num_padded_ptr,  #
     NUM_CHUNKS,  #
     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CB: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """Each expert's padded group end (`ends`), the total, and each chunk's base per expert."""
+    pdl.enter(PDL)
     e_offs = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for c0 in range(0, NUM_CHUNKS, CB):
@@ -75,9 +80,11 @@ def _moe_scatter_kernel(
     ids_ptr, chunk_base_ptr, sorted_ptr, ends_ptr, num_padded_ptr, block_expert_ptr,  #
     NUMEL, MAX_BLOCKS, BLOCKS_PER,  #
     E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """Chunk pid's entries to their places; and the experts of blocks [pid * BLOCKS_PER, + BLOCKS_PER)
     (-1 past the used length)."""
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     e_offs = tl.arange(0, E_PAD)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
@@ -124,15 +131,17 @@ def moe_align(
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     fill = triton.cdiv(blocks * block_m, chunks)
     _moe_hist_kernel[(chunks,)](
-        ids, hist, sorted_ids, numel, blocks * block_m, fill, E_PAD=e_pad, CHUNK=_CHUNK
+        ids, hist, sorted_ids, numel, blocks * block_m, fill, E_PAD=e_pad, CHUNK=_CHUNK,
+        **pdl.launch(hist.device),
     )
     _moe_offsets_kernel[(1,)](
-        hist, chunk_base, ends, num_padded, chunks, E_PAD=e_pad, BLOCK_M=block_m, CB=16, num_warps=8
+        hist, chunk_base, ends, num_padded, chunks, E_PAD=e_pad, BLOCK_M=block_m, CB=16, num_warps=8,
+        **pdl.launch(hist.device),
     )
     _moe_scatter_kernel[(chunks,)](
         ids, chunk_base, sorted_ids, ends, num_padded, block_expert,  #
         numel, blocks, triton.cdiv(blocks, chunks),  #
-        E_PAD=e_pad, CHUNK=_CHUNK, BLOCK_M=block_m,  #
+        E_PAD=e_pad, CHUNK=_CHUNK, BLOCK_M=block_m, **pdl.launch(sorted_ids.device),  #
     )
     return sorted_ids, block_expert, num_padded
 

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import pdl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4_gemm import bf16_rne, e4m3_to_f32, interpreting
@@ -391,10 +392,12 @@ def _moe_tc_kernel(
     stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr,  #
     GATE_UP: tl.constexpr, INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """GATE_UP: out[entry, n] = silu(gate[n] . a[tok]) * (up[n] . a[tok]), tok = entry // A_DIV.
     Else (down): out[entry, n] = route_w[entry] * (w[n] . a[entry]). One expert's BLOCK_M entries and
     BLOCK_N rows n a program; accumulators are [BLOCK_N, BLOCK_M] (rows x entries)."""
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -461,7 +464,7 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
         numel, n, a_div,  #
         a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), st.stride(2), out.stride(0),  #
         K=k, BLOCK_N=block_n, BLOCK_M=cfg.block_m, STEPS=steps, GATE_UP=gate_up, INTERPRET=interpreting(),  #
-        num_warps=warps, num_stages=stages,  #
+        num_warps=warps, num_stages=stages, **pdl.launch(out.device),  #
     )
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import pdl
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 
 # Rows above which dequantize + cuBLAS beats the fused kernel (H200, bench/tune_kernels.py).
@@ -375,6 +376,7 @@ def _nvfp4_gemv_kernel(
     N, G, stride_wn, stride_wg, stride_sn, stride_sg, stride_ts,  #
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_G: tl.constexpr,  #
     STAGES: tl.constexpr, INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """out[n] = ts[n] * sum_k x[k] W[n, k] for one row x, BLOCK_N rows n and one of SPLIT_K ranges of the G
     16-code groups: each group's 8 code bytes as one int64 (at n * stride_wn + g * stride_wg: the
@@ -382,6 +384,7 @@ def _nvfp4_gemv_kernel(
     `group_dot16`, times the group's scale; per-thread partial sums, one reduction at the end, splits
     summed by `store_gemv_split`. Tensor scale ts[n] at n * stride_ts (0: one for all rows). EVEN_G: every
     split is whole BLOCK_G steps (no group mask)."""
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -502,7 +505,7 @@ def _launch_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ts:
         x, codes, scales, ts, out, ws, locks,  #
         n, g, *strides, int(ts.numel() > 1),  #
         BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g, SPLIT_K=split, EVEN_G=g % g_per_split == 0,  #
-        STAGES=cfg.num_stages, INTERPRET=interpreting(), num_warps=cfg.num_warps,  #
+        STAGES=cfg.num_stages, INTERPRET=interpreting(), num_warps=cfg.num_warps, **pdl.launch(out.device),  #
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from batchinfer.kernels import small_ops
+from batchinfer.kernels import pdl, small_ops
 from batchinfer.kernels.nvfp4_gemm import interpreting
 
 
@@ -51,7 +51,9 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,  #
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, ROT_HALF: tl.constexpr, ONE_PLUS: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, H, qw_ptr, q_out_ptr + t * stride_qot, stride_qoh,
@@ -98,7 +100,7 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         HEAD_DIM=Dh, BLOCK_H=triton.next_power_of_2(max(H, Hkv)), ROT_HALF=inv_freq.numel(),
-        ONE_PLUS=one_plus, INTERPRET=interpreting(), num_warps=4,
+        ONE_PLUS=one_plus, INTERPRET=interpreting(), num_warps=4, **pdl.launch(q_out.device)
     )
     return q_out, k_out
 

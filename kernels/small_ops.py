@@ -15,6 +15,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from batchinfer.kernels import pdl
 from batchinfer.kernels.nvfp4_gemm import bf16_rne, interpreting
 
 
@@ -53,7 +54,9 @@ def _add_rmsnorm_kernel(
     stride_x, stride_res, stride_out, stride_res_out,  #
     HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr, ONE_PLUS: tl.constexpr,  #
     BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -93,12 +96,14 @@ def _silu_mul_kernel(
 def _sum_slots_kernel(
     y_ptr, out_ptr, T, D, stride_y,  #
     A: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
     """out[t] = sum over a < A of y[t * A + a] for BLOCK_T tokens and BLOCK_D columns, fp32, rounded once.
     A slot's rows are one [BLOCK_T, BLOCK_D] load each, independent of the others (an unrolled loop), summed
     element by element in registers: no padded slots, no reduction across threads and 8x fewer programs
     than one token a program with its slots padded to a power of two and reduced across warps, which
     moved ~0.5 TB/s on the H200 (9.4 MB in 20.9 us at 256 tokens, session 13; the cause not isolated)."""
+    pdl.enter(PDL)
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (toks < T)[:, None] & (offs < D)[None, :]
@@ -116,7 +121,9 @@ def _embedding_kernel(
     D,  #
     stride_table, stride_out,  #
     BLOCK_D: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -169,7 +176,7 @@ def add_rmsnorm(
         D, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0),
         HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=store, ONE_PLUS=one_plus, INTERPRET=interpreting(),
-        BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+        BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], **pdl.launch(out.device)
     )
     return out, res_out
 
@@ -207,6 +214,7 @@ def sum_slots(y: torch.Tensor, slots: int) -> torch.Tensor:
     block_t, block_d = 8, min(256, triton.next_power_of_2(d))
     _sum_slots_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block_d))](
         y, out, t, d, y.stride(0), A=slots, BLOCK_T=block_t, BLOCK_D=block_d, INTERPRET=interpreting(),
+        **pdl.launch(out.device),
     )
     return out
 
@@ -220,7 +228,8 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     out = torch.empty((ids.shape[0], D), dtype=table.dtype, device=table.device)
     block = min(1024, triton.next_power_of_2(D))
     _embedding_kernel[(ids.shape[0], triton.cdiv(D, block))](
-        ids.contiguous(), table, out, D, table.stride(0), out.stride(0), BLOCK_D=block
+        ids.contiguous(), table, out, D, table.stride(0), out.stride(0), BLOCK_D=block,
+        **pdl.launch(out.device),
     )
     return out
 

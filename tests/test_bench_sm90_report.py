@@ -40,3 +40,12 @@ def test_all_kernels_compile_for_sm90_without_spills():
     scores = by_kernel[("_chunk_scores_kernel", "prefill")]  # a program a k-head, for its v-heads
     assert ctas["_chunk_scores_kernel"] >= 2 and int(scores[4]) == 0  # two an SM, no spills
     assert ctas["_chunk_wu_kernel"] >= 4
+    # every kernel of a decode step is launched with programmatic dependent launch and waits for the one
+    # before it ahead of any memory access (the report exits 1 on an access before the wait)
+    waits = {name for (name, _), r in by_kernel.items() if r[14].strip(" |") == "wait first"}
+    decode = {"_embedding_kernel", "_add_rmsnorm_kernel", "_fp8_gemv_kernel", "_nvfp4_gemv_kernel",
+              "_conv1d_update_kernel", "_delta_rule_kernel", "_gated_rmsnorm_kernel", "_qk_norm_rope_kernel",
+              "_store_kv_kernel", "_decode_attn_kernel", "_decode_combine_kernel", "_moe_tc_kernel",
+              "_moe_decode_gate_up_kernel", "_moe_decode_down_kernel", "_moe_hist_kernel",
+              "_moe_offsets_kernel", "_moe_scatter_kernel", "_sum_slots_kernel"}  # fmt: skip
+    assert decode <= waits

@@ -10,8 +10,10 @@ whether it serialized the kernel's wgmmas (info C7515: each waits for the one be
 until session 12, because a zero-trip loop defined the accumulators outside the MMA pipeline). Not a
 timing: it answers "does it compile for Hopper, does it spill, does it use wgmma / cp.async, are its
 wgmmas pipelined" before a GPU is available.
+The PDL column checks that a kernel launched with programmatic dependent launch (`kernels/pdl.py`)
+waits for the kernel before it ahead of any global memory access.
 Run `python -m batchinfer.bench.sm90_report` (with TRITON_INTERPRET unset); exit status 1 when a
-kernel fails to compile or spills more than `--max-spill` bytes.
+kernel fails to compile, spills more than `--max-spill` bytes or touches memory before its PDL wait.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from batchinfer.kernels import (
     moe_align,
     moe_tc,
     nvfp4_gemm,
+    pdl,
     qk_norm_rope,
     sampling,
     small_ops,
@@ -56,6 +59,8 @@ from batchinfer.sam3.vit import axial_rope
 _MODULES = (attention, causal_conv1d, fp8_gemm, fp8_rows_mm, gdn, gdn_chunk, kv_cache, moe, moe_align,
             moe_tc, nvfp4_gemm, qk_norm_rope, sampling, small_ops, norm_triton, rope_triton)
 # fmt: on
+
+_PDL_LAUNCH = pdl.launch
 
 _PTR_TYPES = {
     torch.bfloat16: "*bf16",
@@ -78,11 +83,13 @@ def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[lis
     }.values()
     for k in kernels:
         k.run = lambda *args, grid, warmup, _k=k, **kwargs: seen.setdefault(_k.__name__, (args, kwargs))
+    pdl.launch = lambda device: {"PDL": True, "launch_pdl": True}  # as on the H200 (the tensors are CPU's)
     try:
         launch()
     finally:
         for k in kernels:
             del k.run
+        pdl.launch = _PDL_LAUNCH
     args, kwargs = seen[kernel.__name__]
     return list(args), kwargs
 
@@ -92,7 +99,7 @@ def _source(
 ) -> tuple[ASTSource, dict[str, Any], dict[str, int]]:
     """The ASTSource Triton's runtime would build for this launch, its constexprs and its options."""
     values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
-    options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
+    options = {k: values.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in values}
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         v = values[p.name]
@@ -140,6 +147,17 @@ def wgmma_serialized(ptx: str) -> str:
     return m.group(1) if m else ""
 
 
+def pdl_order(ptx: str) -> str:
+    """Under programmatic dependent launch a kernel may start before the one it depends on has finished,
+    so it must wait (`griddepcontrol.wait`) before its first global memory access: "wait first" when it
+    does, "LATE" when an access comes first (a race), "" when the kernel has no wait (a plain launch)."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return ""
+    first = re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", ptx)
+    return "wait first" if first is None or first.start() > wait else "LATE"
+
+
 def ctas_per_sm(regs: int, warps: int, smem: int) -> int:
     """Programs an H100/H200 SM holds at once (sm_90 limits: 64K registers allocated 8 a thread in whole
     warps, 228 KiB of shared memory with 1 KiB reserved a block, 64 warps, 32 blocks). A kernel whose
@@ -173,6 +191,7 @@ def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dic
         "loop LDG": loop_loads(sass),
         "wgmma serialized": wgmma_serialized(compiled.asm["ptx"]) if "HGMMA" in sass else "",
         "CTAs/SM": ctas_per_sm(regs, options.get("num_warps", 4), compiled.metadata.shared),
+        "PDL": pdl_order(compiled.asm["ptx"]),
     }
 
 
@@ -298,7 +317,7 @@ def _kv_store_launches(Hkv: int, Dh: int) -> Iterator[tuple]:
     store = lambda: kv_cache._store_kv_kernel[(T, Hkv)](
         k, v, kc, kc, ks, ks, idx, idx, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), HEAD_DIM=Dh, FP8=True,
-        num_warps=1 if Dh <= 128 else 2,
+        num_warps=1 if Dh <= 128 else 2, **pdl.launch(kc.device),
     )
     # fmt: on
     yield f"Dh={Dh} FP8", kv_cache._store_kv_kernel, store
@@ -410,9 +429,9 @@ def main() -> None:
     print(
         "| kernel | case | config | regs | spill B | smem B | "
         + " | ".join(_OPS)
-        + " | loop LDG | wgmma serialized | CTAs/SM |"
+        + " | loop LDG | wgmma serialized | CTAs/SM | PDL |"
     )
-    print("|---" * (9 + len(_OPS)) + "|")
+    print("|---" * (10 + len(_OPS)) + "|")
     failed = False
     for case, kernel, launch in launches():
         try:
@@ -421,10 +440,10 @@ def main() -> None:
             print(f"| {kernel.__name__} | {case} | COMPILE FAILED: {str(e).splitlines()[0][:200]} |")
             failed = True
             continue
-        failed |= r["spill_bytes"] > args.max_spill
+        failed |= r["spill_bytes"] > args.max_spill or r["PDL"] == "LATE"
         print(
             f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
-            + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG", "wgmma serialized", "CTAs/SM"))
+            + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG", "wgmma serialized", "CTAs/SM", "PDL"))
             + " |"
         )
     sys.exit(1 if failed else 0)
