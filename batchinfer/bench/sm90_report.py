@@ -13,7 +13,8 @@ wgmmas pipelined" before a GPU is available.
 The PDL column checks that a kernel launched with programmatic dependent launch (`kernels/pdl.py`)
 waits for the kernel before it ahead of any global memory access.
 Run `python -m batchinfer.bench.sm90_report` (with TRITON_INTERPRET unset); exit status 1 when a
-kernel fails to compile, spills more than `--max-spill` bytes or touches memory before its PDL wait.
+kernel fails to compile, spills more than `--max-spill` bytes or, launched with PDL, touches memory
+before its wait or never waits.
 """
 
 from __future__ import annotations
@@ -147,15 +148,20 @@ def wgmma_serialized(ptx: str) -> str:
     return m.group(1) if m else ""
 
 
-def pdl_order(ptx: str) -> str:
+def pdl_order(sass: str, launch_pdl: bool) -> str:
     """Under programmatic dependent launch a kernel may start before the one it depends on has finished,
-    so it must wait (`griddepcontrol.wait`) before its first global memory access: "wait first" when it
-    does, "LATE" when an access comes first (a race), "" when the kernel has no wait (a plain launch)."""
-    wait = ptx.find("griddepcontrol.wait")
-    if wait < 0:
-        return ""
-    first = re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", ptx)
-    return "wait first" if first is None or first.start() > wait else "LATE"
+    so every program must wait (`griddepcontrol.wait`, SASS `ACQBULK`) before its first global memory
+    access, and trigger the next launch (`PREEXIT`). From the machine code: "wait first" when it does,
+    "LATE" when an access comes first, "NO WAIT" when a kernel launched with it never waits (both races),
+    "" for a plain launch without a wait."""
+    code = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
+    wait = next((i for i, ins in enumerate(code) if re.search(r"\bACQBULK\b", ins)), None)
+    if wait is None:
+        return "NO WAIT" if launch_pdl else ""
+    mem = r"\b(LDG|STG|LDGSTS|ATOMG?|REDG?|LD|ST|UTMALDG|UTMASTG|UTMAPF|UBLKCP)\b"
+    first = next((i for i, ins in enumerate(code) if re.search(mem, ins)), len(code))
+    triggers = any(re.search(r"\bPREEXIT\b", ins) for ins in code)
+    return "wait first" if first > wait and triggers else "LATE"
 
 
 def ctas_per_sm(regs: int, warps: int, smem: int) -> int:
@@ -191,7 +197,7 @@ def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dic
         "loop LDG": loop_loads(sass),
         "wgmma serialized": wgmma_serialized(compiled.asm["ptx"]) if "HGMMA" in sass else "",
         "CTAs/SM": ctas_per_sm(regs, options.get("num_warps", 4), compiled.metadata.shared),
-        "PDL": pdl_order(compiled.asm["ptx"]),
+        "PDL": pdl_order(sass, bool(options.get("launch_pdl"))),
     }
 
 
@@ -333,6 +339,8 @@ def _moe_launches() -> Iterator[tuple]:
                    torch.ones(E, 2), torch.ones(E), E - 1, True, paired=True)
     # fmt: on
     ids = lambda t: (torch.arange(t * 9) % E).int().view(t, 9)
+    route = lambda: moe.moe_route(_t(1, E), E - 1, 8, True, True)
+    yield "T=1, 256 experts + shared", moe._moe_route_kernel, route
     run = lambda t, cfg: moe.moe_experts(_t(t, D), ids(t), torch.rand(t, 9), w, config=cfg)
     decode = lambda: run(8, moe._decode_config(72))
     yield "T=8 paired", moe._moe_decode_gate_up_kernel, decode
@@ -440,7 +448,7 @@ def main() -> None:
             print(f"| {kernel.__name__} | {case} | COMPILE FAILED: {str(e).splitlines()[0][:200]} |")
             failed = True
             continue
-        failed |= r["spill_bytes"] > args.max_spill or r["PDL"] == "LATE"
+        failed |= r["spill_bytes"] > args.max_spill or r["PDL"] in ("LATE", "NO WAIT")
         print(
             f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
             + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG", "wgmma serialized", "CTAs/SM", "PDL"))
