@@ -573,6 +573,24 @@ def test_cuda_graphs_match_eager_decode():
 
 @pytest.mark.gpu
 @GPU
+def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
+    """The decode kernels under programmatic dependent launch (`kernels/pdl.py`), graphed and replayed many
+    times, give the tokens of the same kernels launched in plain stream order: a kernel reading its input
+    before the kernel that writes it has finished would show as a changed token, now and then."""
+    from batchinfer.kernels import pdl
+
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "mixed", "cuda")
+    assert pdl.launch(torch.device("cuda"))["launch_pdl"] == (torch.cuda.get_device_capability()[0] >= 9)
+    prompts = _random_prompts(cfg.vocab_size, [5, 90, 17, 33, 64, 9, 41, 70], seed=7)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (60, 40, 80, 50, 70, 64, 30, 45)]
+    with_pdl = [o.token_ids for o in FastGenerator(km, max_slots=4).generate(prompts, params)]
+    monkeypatch.setattr(pdl, "launch", lambda device: {"PDL": False, "launch_pdl": False})
+    plain = [o.token_ids for o in FastGenerator(km, max_slots=4).generate(prompts, params)]
+    assert with_pdl == plain
+
+
+@pytest.mark.gpu
+@GPU
 def test_graphed_prefill_matches_eager_prefill():
     """A lone prompt prefilled by the graph of its length bucket (recurrent DeltaNet at 64, chunked above;
     a filler of 0 to 63 tokens) gives the eager prefill's logits and leaves the same state in its slot;
