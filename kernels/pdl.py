@@ -28,6 +28,7 @@ def _hopper(index: int | None) -> bool:
 def launch(device: torch.device) -> dict[str, bool]:
     """The launch's keyword arguments: `PDL` (the kernel's constexpr) and Triton's `launch_pdl`, both on for
     a compiled kernel on a Hopper or later GPU (off under the CPU interpreter and on older GPUs)."""
+    # `nvfp4_gemm.interpreting()`, read here directly: nvfp4_gemm imports this module
     on = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and _hopper(device.index)
     return {"PDL": on, "launch_pdl": on}
 

@@ -63,7 +63,6 @@ GDN_CHUNK = [
     {"BLOCK_V": 64, "num_warps": 4, "state_stages": 2},
     {"BLOCK_V": 32, "num_warps": 4, "state_stages": 2},
     {"BLOCK_V": 64, "num_warps": 8, "state_stages": 2},
-    {"scores_warps": 4},
     {"scores_warps": 8},
     {"state_stages": 3},
     {"inv_warps": 2},

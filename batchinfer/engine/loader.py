@@ -71,9 +71,10 @@ def _as_int(name: str, value: int | str) -> int:
 def _as_bool(name: str, value: bool | str) -> bool:
     if isinstance(value, bool):
         return value
-    if str(value).strip().lower() in ("true", "1", "yes"):
+    word = str(value).strip().lower()
+    if word in ("true", "1", "yes"):
         return True
-    if str(value).strip().lower() in ("false", "0", "no"):
+    if word in ("false", "0", "no"):
         return False
     raise ConfigError(f"engine argument {name}={value!r}: expected true or false")
 
