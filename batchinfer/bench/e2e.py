@@ -37,6 +37,10 @@ StepCallback = Callable[[dict[int, int]], None]
 class TokenEngine(Protocol):
     """What the benchmark needs from an engine (the GPU engine implements it beside `TextEngine`)."""
 
+    # True when the engine runs on copies of the weights it made: the benchmark's own (kept for the
+    # accuracy lock's reference) then leave the GPU while it runs (`workload_run.weights_off_gpu`)
+    owns_weights: bool
+
     def describe(self) -> dict[str, str]:
         """Engine name, device, dtype, quantization: recorded in the result JSON."""
         ...
@@ -52,6 +56,8 @@ class TokenEngine(Protocol):
 class ReferenceTokenEngine:
     """The reference model behind `TokenEngine`: length-sorted batches of at most `max_batch_size`,
     one `models.generate.generate` call each, as the reference `TextEngine` runs them."""
+
+    owns_weights = False  # it runs the benchmark's model itself
 
     def __init__(self, model: QwenMoeModel, max_batch_size: int, name: str = "reference") -> None:
         self.model = model
@@ -86,6 +92,8 @@ class ReferenceTokenEngine:
 class FastTokenEngine:
     """The GPU engine (`engine.fast.FastGenerator`) behind `TokenEngine`; frees its state pools after each
     run so a peer measured next in the same process gets the memory."""
+
+    owns_weights = True  # the kernel layouts `KernelModel` made at load time
 
     def __init__(self, generator: FastGenerator) -> None:
         self.generator = generator

@@ -66,6 +66,8 @@ def _source(name: str, weights: dict[str, Weight], dtype: torch.dtype, experts: 
 class HfPeer:
     """transformers' CausalLM over our canonical weights, behind `TokenEngine`."""
 
+    owns_weights = True  # copied into transformers' own modules
+
     def __init__(
         self,
         config: ModelConfig,

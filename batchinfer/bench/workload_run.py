@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from batchinfer.bench import commit_id
 from batchinfer.bench.accuracy_lock import MIN_SAMPLE, AccuracyLockError, LockResult, accuracy_lock
 from batchinfer.bench.e2e import TokenEngine, measure
+from batchinfer.bench.host_copy import HostCopy
 from batchinfer.bench.workloads import WorkloadRequests
 from batchinfer.checkpoint.loader import Weight, load_checkpoint, read_raw_config
 from batchinfer.checkpoint.presets import build_checkpoint
@@ -38,6 +40,35 @@ class BenchModel:
     model: QwenMoeModel  # in the engine's dtype
     reference: QwenMoeModel  # fp32; quantized linears shared with `model`, dequantized at each use
     info: dict[str, str]
+    host: HostCopy | None = None  # the weights in host memory, made the first time they leave the GPU
+
+
+def _models(config: ModelConfig, weights: dict[str, Weight], dtype: torch.dtype) -> tuple[QwenMoeModel, ...]:
+    """(the model in `dtype`, the fp32 reference): the same model when `dtype` is fp32."""
+    model = QwenMoeModel(config, weights, dtype=dtype)
+    return model, model if dtype == torch.float32 else QwenMoeModel(config, weights, dtype=torch.float32)
+
+
+@contextmanager
+def weights_off_gpu(bm: BenchModel) -> Iterator[None]:
+    """The block runs with the benchmark's weights and models in host memory, so the GPU has the memory a
+    production run has (`host_copy` says why); they are back on the GPU after it (not after a block that
+    raised: no lock reads that run's output)."""
+    device, dtype = bm.model.device, bm.model.dtype
+    if device.type != "cuda":
+        yield
+        return
+    if bm.host is None:
+        bm.host = HostCopy(bm.weights)
+    bm.weights = bm.host.to(torch.device("cpu"))
+    bm.model, bm.reference = _models(bm.config, bm.weights, dtype)
+    torch.cuda.empty_cache()  # the engine plans its slots on what the driver reports free
+    log.info(
+        "the benchmark's weights are in host memory while the engine runs (%.1f GiB)", bm.host.nbytes / 2**30
+    )
+    yield
+    bm.weights = bm.host.to(device)
+    bm.model, bm.reference = _models(bm.config, bm.weights, dtype)
 
 
 def build_model(
@@ -54,8 +85,7 @@ def build_model(
         config, weights = load_checkpoint(tensors, config=raw, device=device, dtype=dtype)
         del tensors
         source = f"preset {preset} (random weights, seed 0)"
-    model = QwenMoeModel(config, weights, dtype=dtype)
-    reference = model if dtype == torch.float32 else QwenMoeModel(config, weights, dtype=torch.float32)
+    model, reference = _models(config, weights, dtype)
     info = {
         "model": source,
         "model_type": config.model_type,
@@ -78,16 +108,17 @@ def environment(device: torch.device) -> dict[str, str]:
 def _run_one(
     engine: TokenEngine,
     requests: WorkloadRequests,
-    reference: QwenMoeModel,
+    bench_model: BenchModel,
     device: torch.device,
     lock_sample: int,
 ) -> tuple[dict[str, Any], LockResult]:
-    warmup = getattr(engine, "warmup", None)
-    if warmup is not None:  # untimed: one-time compilation is not the engine's steady-state speed
-        warmup(requests.prompts, requests.out_lens)
-    log.info("running %d requests through %s", len(requests.prompts), engine.describe().get("engine"))
-    outputs, figures = measure(engine, requests.prompts, requests.out_lens, device)
-    lock = accuracy_lock(reference, requests.prompts, outputs, lock_sample)
+    with weights_off_gpu(bench_model) if engine.owns_weights else nullcontext():
+        warmup = getattr(engine, "warmup", None)
+        if warmup is not None:  # untimed: one-time compilation is not the engine's steady-state speed
+            warmup(requests.prompts, requests.out_lens)
+        log.info("running %d requests through %s", len(requests.prompts), engine.describe().get("engine"))
+        outputs, figures = measure(engine, requests.prompts, requests.out_lens, device)
+    lock = accuracy_lock(bench_model.reference, requests.prompts, outputs, lock_sample)
     return figures, lock
 
 
@@ -116,7 +147,7 @@ def run_benchmark(
 
     Raises `AccuracyLockError` when the engine's (or the peer's) output fails the lock.
     """
-    figures, lock = _run_one(engine, requests, bench_model.reference, device, lock_sample)
+    figures, lock = _run_one(engine, requests, bench_model, device, lock_sample)
     if not lock.passed:
         raise _lock_error(f"engine {engine.describe().get('engine')}", lock)
     doc: dict[str, Any] = {
@@ -135,7 +166,7 @@ def run_benchmark(
     if peer is not None and peer_requests is not None:
         del engine
         peer = peer()
-        peer_figures, peer_lock = _run_one(peer, peer_requests, bench_model.reference, device, lock_sample)
+        peer_figures, peer_lock = _run_one(peer, peer_requests, bench_model, device, lock_sample)
         if not peer_lock.passed:
             raise _lock_error(f"peer {peer.describe().get('engine')}", peer_lock)
         doc["peer"] = {

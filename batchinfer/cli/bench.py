@@ -296,7 +296,9 @@ def run(
     output/total tok/s, TTFT, decode tok/s, wall time, peak memory and batch sizes; `--workload
     single,conc32` runs several on one model load. Every run teacher-forces a sample of its outputs
     through the fp32 reference (the accuracy lock), and the fast engine first checks its teacher-forced
-    logits against it (kernel exactness); a run that fails either exits non-zero and records no figure."""
+    logits against it (kernel exactness); a run that fails either exits non-zero and records no figure.
+    While the fast engine (or the peer) runs, the reference's weights wait in host memory, so the engine
+    plans its slots in the memory a `batchinfer run` job would have."""
     _check_weights(model_path, preset, random_weights, quant)
     if lock_sample < 16:
         raise click.UsageError(f"--lock-sample must be >= 16, got {lock_sample}")
