@@ -19,7 +19,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| _")]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 61 and not any("FAILED" in line for line in proc.stdout.splitlines())
+    assert len(rows) == 62 and not any("FAILED" in line for line in proc.stdout.splitlines())
     by_kernel = {(r[0].strip("| "), r[1]): r for r in rows}
     hgmma = [int(r[6]) for (name, _), r in by_kernel.items() if name == "_prefill_attn_kernel"]
     assert hgmma and all(n > 0 for n in hgmma)  # prefill QK^T and PV run on wgmma
@@ -40,6 +40,8 @@ def test_all_kernels_compile_for_sm90_without_spills():
     scores = by_kernel[("_chunk_scores_kernel", "prefill")]  # a program a k-head, for its v-heads
     assert ctas["_chunk_scores_kernel"] >= 2 and int(scores[4]) == 0  # two an SM, no spills
     assert ctas["_chunk_wu_kernel"] >= 4
+    ldgsts = by_kernel[("_delta_rule_decode_kernel", "decode, fp32 state")]  # the next state tile by cp.async
+    assert int(ldgsts[8]) > 0 and int(ldgsts[4]) == 0 and int(ldgsts[13].strip(" |")) >= 3
     # every kernel of a decode step is launched with programmatic dependent launch and waits for the one
     # before it ahead of any memory access (the report exits 1 on an access before the wait)
     pdl = [(name, r[14].strip(" |")) for (name, _), r in by_kernel.items()]  # every case of each kernel

@@ -215,3 +215,27 @@ def test_production_tiles_bf16_state(monkeypatch, D):
         q, k, v, a, b, A_log, dt_bias, torch.arange(3, dtype=torch.int32), initial_state=init[slots]
     )
     assert rel_err(out, ref) < 1e-2 and rel_err(state[slots], ref_final) < 1e-2
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("per_sm,stages", [(1, 1), (3, 3)])
+def test_persistent_decode_equals_a_program_a_tile(monkeypatch, state_dtype, per_sm, stages):
+    """`PERSISTENT` programs walking the tiles (a padded row among them, more tiles than programs) give the
+    per-tile kernel's outputs and states bit for bit, and touch no other slot."""
+    poison_empty(monkeypatch)
+    Hk, Hv, D = 2, 4, 32
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(4, Hk, Hv, D, D)
+    state = rnd(6, Hv, D, D, scale=0.3, dtype=state_dtype)
+    slots = torch.tensor([4, -1, 0, 2], device=DEV)
+    states, outs = [], []
+    for extra in ({}, {"PERSISTENT": per_sm, "STAGES": stages}):
+        s = state.clone()
+        outs.append(
+            gated_delta_rule(
+                q, k, v, a, b, A_log, dt_bias, s, slots, config={"BLOCK_V": 16, "num_warps": 1, **extra}
+            )
+        )
+        states.append(s)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(states[0], states[1])
+    assert not outs[1][1].any() and torch.equal(states[1][[1, 3, 5]], state[[1, 3, 5]])
+    assert not torch.equal(states[1][4], state[4])
