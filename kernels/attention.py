@@ -11,7 +11,8 @@ interleaved `[T, H, 2 * Dh]` output):
   so one (slot, kv head) is a contiguous `[max_len, Dh]` run and a split streams it with wide loads.
   Token `p` of the sequence in slot `s` sits at `[s, :, p]`; the engine writes new keys and values with
   `kv_cache.store_kv` and then calls `decode_attention` with `seq_lens` counting them.
-  Rows with `seq_len == 0` (CUDA-graph padding) read nothing and return zeros.
+  Rows with `seq_len == 0` (CUDA-graph padding) read nothing, not even their slot (which may be
+  negative), and return zeros.
 - FP8 cache (`kv_cache.py`): the same caches in `float8_e4m3fn` with fp32 scales `[slots, Hkv, max_len]`,
   one a (slot, head, position) row; the kernels convert the tiles exactly (decode to fp16, one
   conversion a pair, with its queries, which after q_norm sit far inside fp16's range; chunked prefill

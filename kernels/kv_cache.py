@@ -45,17 +45,19 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr, FP8: tl.constexpr,  #
     PDL: tl.constexpr = False,  #
 ):
-    """One (token, kv head) a program: its key and value rows into the caches (one launch for both)."""
+    """One (token, kv head) a program: its key and value rows into the caches (one launch for both); a
+    negative slot or position (a padded decode row) writes nothing."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    dst = slot * stride_cs + h * stride_ch + pos * stride_ct + d
-    s_off = slot * stride_ss + h * stride_sh + pos
-    _store_row(tl.load(k_ptr + t * stride_kt + h * stride_kh + d), kc_ptr + dst, ks_ptr, s_off, FP8)
-    _store_row(tl.load(v_ptr + t * stride_vt + h * stride_vh + d), vc_ptr + dst, vs_ptr, s_off, FP8)
+    if (slot >= 0) & (pos >= 0):
+        dst = slot * stride_cs + h * stride_ch + pos * stride_ct + d
+        s_off = slot * stride_ss + h * stride_sh + pos
+        _store_row(tl.load(k_ptr + t * stride_kt + h * stride_kh + d), kc_ptr + dst, ks_ptr, s_off, FP8)
+        _store_row(tl.load(v_ptr + t * stride_vt + h * stride_vh + d), vc_ptr + dst, vs_ptr, s_off, FP8)
 
 
 def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,8 +109,8 @@ def store_kv(
 ) -> None:
     """Write `k, v [T, Hkv, Dh]` (bf16) into `k_cache, v_cache [S, Hkv, L, Dh]` (one layout) at (`slots[t]`,
     :, `positions[t]`); FP8 caches (`float8_e4m3fn`) need `k_scale, v_scale [S, Hkv, L]` (fp32), written
-    alongside. `slots` and `positions` are integer `[T]` on the caches' device. One launch, no host sync
-    (CUDA-graph safe)."""
+    alongside. `slots` and `positions` are integer `[T]` on the caches' device; a row with a negative
+    slot or position (a padded decode row) writes nothing. One launch, no host sync (CUDA-graph safe)."""
     t, hkv, dh = k.shape
     for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if x.shape != k.shape or cache.dim() != 4 or cache.shape[1] != hkv or cache.shape[3] != dh:
@@ -124,8 +126,9 @@ def store_kv(
     if t == 0:
         return
     if not k.is_cuda:  # the interpreter's E4M3 cast is not PyTorch's: quantize and scatter with torch
-        s, p = slots.long(), positions.long()
-        for x, cache, scale in ((k, k_cache, ks), (v, v_cache, vs)):
+        real = (slots >= 0) & (positions >= 0)
+        s, p = slots[real].long(), positions[real].long()
+        for x, cache, scale in ((k[real], k_cache, ks), (v[real], v_cache, vs)):
             if fp8:
                 cache[s, :, p], scale[s, :, p] = quantize_kv_ref(x)
             else:

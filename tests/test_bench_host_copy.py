@@ -51,6 +51,15 @@ def test_host_copy_gives_every_weight_back_bit_for_bit():
     assert host.to(torch.device("cpu"))["embed"].abs().sum() > 0
 
 
+def test_a_tensor_under_two_names_is_copied_once_and_comes_back_shared():
+    weights = _weights()
+    weights["lm_head"] = weights["embed"]  # tied, as the loader ties them
+    host = HostCopy(weights)
+    assert host.nbytes == HostCopy({n: w for n, w in weights.items() if n != "lm_head"}).nbytes
+    back = host.to(torch.device("cpu"))
+    assert back["lm_head"] is back["embed"] and torch.equal(back["lm_head"], weights["embed"])
+
+
 def test_engines_say_whether_they_run_on_their_own_copies():
     assert FastTokenEngine.owns_weights and HfPeer.owns_weights and not ReferenceTokenEngine.owns_weights
 
@@ -66,7 +75,7 @@ def test_weights_stay_put_on_the_cpu():
     weights, model = bm.weights, bm.model
     with weights_off_gpu(bm):
         assert bm.weights is weights and bm.model is model
-    assert bm.host is None
+    assert bm.host is None and bm.reference is model  # an fp32 model is its own reference
 
 
 @pytest.mark.gpu
@@ -83,7 +92,9 @@ def test_weights_leave_the_gpu_and_come_back():
     held = torch.cuda.memory_allocated(dev)
     del before
     with weights_off_gpu(bm):
-        assert bm.model.device.type == "cpu" and bm.reference.device.type == "cpu"
+        assert bm.models is None and bm.weights["embed_tokens"].device.type == "cpu"
+        with pytest.raises(RuntimeError, match="in host memory"):
+            bm.reference  # noqa: B018
         assert torch.cuda.memory_allocated(dev) < held - bm.host.nbytes // 2
     assert bm.model.device == dev and bm.reference.dtype == torch.float32
     again = bm.reference.forward(ids, bm.reference.new_cache(1, 12))

@@ -223,6 +223,26 @@ def test_slots_refill_and_stop_rules():
     assert stop_second_step.calls == 2  # the step after the stop computed a token for it, never reported
 
 
+def test_padded_rows_touch_no_state():
+    """Once the short request is done, three rows run in a batch bucket of 4: the padding row reads and
+    writes no KV, conv or DeltaNet state (the scratch slot, used by nothing else without CUDA graphs,
+    stays zero), and each row's tokens are those it gives alone."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
+    prompts = _random_prompts(cfg.vocab_size, [5, 9, 7, 4], seed=3)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (5, 5, 5, 2)]
+    gen = FastGenerator(km, max_slots=4)
+    outs = gen.generate(prompts, params)
+    assert gen.slots == 4 and fast._buckets(4) == [1, 2, 4] and 3 in gen.batch_sizes
+    alone = FastGenerator(km, max_slots=1)
+    assert [o.token_ids for o in outs] == [
+        alone.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)
+    ]
+    pools = [
+        p for p in (*gen._state.k, *gen._state.v, *gen._state.conv, *gen._state.recurrent) if p is not None
+    ]
+    assert pools and all(not p[gen.slots].any() for p in pools)
+
+
 def test_decode_tokens_are_read_one_step_late(monkeypatch):
     """The host records a step's tokens while the next step runs. Rows that reach their limit leave the
     batch on the device with no extra step; a row stopped by a stop token computes one extra token, which

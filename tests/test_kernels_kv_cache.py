@@ -194,3 +194,26 @@ def test_fp8_cache_real_shapes_gpu(H, Hkv, Dh):
     # The FP8 cache against the bf16 cache it replaces: the kernel on the bf16-rounded rows measured 1.01e-2
     # from the FP8 reference at Dh = 256 on the H200 (session 14), over the old 1e-2 bound; 2e-2 here.
     assert rel_err(ref_bf16, ref) < 2e-2
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_padded_rows_write_nothing(kernel):
+    """A negative slot or position (a padded decode row of the engine's graphs) leaves every cache byte as
+    it was, through `store_kv`'s CPU path and through the kernel itself."""
+    k, v = _rows(4, 2, 32, seed=5), _rows(4, 2, 32, seed=6)
+    slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32, device=DEV)
+    pos = torch.tensor([2, 0, -1, 3], dtype=torch.int32, device=DEV)
+    (kc, _), (vc, _) = _caches(2, 2, 6, 32, fp8=False), _caches(2, 2, 6, 32, fp8=False)
+    kc.fill_(7.0)
+    vc.fill_(7.0)
+    if kernel:
+        kv_cache._store_kv_kernel[(4, 2)](
+            k, v, kc, vc, kc, vc, slots, pos, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(0), kc.stride(1), HEAD_DIM=32, FP8=False,
+        )  # fmt: skip
+    else:
+        store_kv(k, v, kc, vc, None, None, slots, pos)
+    assert torch.equal(kc[1, :, 2], k[0]) and torch.equal(vc[1, :, 3], v[3])
+    written = torch.zeros(2, 6, dtype=torch.bool)
+    written[1, 2] = written[1, 3] = True
+    assert (kc.permute(0, 2, 1, 3)[~written] == 7.0).all() and (vc.permute(0, 2, 1, 3)[~written] == 7.0).all()

@@ -3,7 +3,7 @@
 Why: `bench run` keeps the loaded weights for the accuracy lock's fp32 reference, while the fast engine
 runs on copies it laid out at load time. A production run (`engine.loader`) drops the loaded tensors,
 so with them kept the benchmark planned its slots in less memory than a user's job has: at Qwen3.6's
-shape ~20 GiB (the quantized linears, ~20 GB, and the reference's fp32 embedding, 2 GB), ~170 of
+shape ~20.6 GiB (the quantized linears, ~20 GB, and the reference's fp32 embedding, 2 GB), ~175 of
 `offline`'s slots. `workload_run` moves them here while such an engine runs and back for the lock.
 
 One buffer, so that bringing the weights back is one copy at the link's speed rather than tens of
@@ -31,35 +31,36 @@ def _parts(w: Weight) -> dict[str, torch.Tensor]:
 
 
 class HostCopy:
-    """The tensors of `weights` in one host buffer (made once; the weights never change)."""
+    """The tensors of `weights` in one host buffer (made once; the weights never change). A tensor that
+    several names share (a tied embedding and lm_head) is copied once and comes back shared."""
 
     def __init__(self, weights: Mapping[str, Weight]) -> None:
         self._kinds = {name: type(w) for name, w in weights.items()}
-        self._layout: list[tuple[str, str, int, torch.dtype, torch.Size]] = []
+        self._parts = [(name, part, id(t)) for name, w in weights.items() for part, t in _parts(w).items()]
+        unique = {id(t): t for w in weights.values() for t in _parts(w).values()}
+        self._layout: dict[int, tuple[int, torch.dtype, torch.Size]] = {}
         offset = 0
-        for name, w in weights.items():
-            for part, t in _parts(w).items():
-                self._layout.append((name, part, offset, t.dtype, t.shape))
-                offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        for key, t in unique.items():
+            self._layout[key] = (offset, t.dtype, t.shape)
+            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         self.nbytes = offset
         self._buffer = torch.empty(offset, dtype=torch.uint8)
-        sources = (t for w in weights.values() for t in _parts(w).values())
-        for view, t in zip(self._views(self._buffer), sources, strict=True):
-            view.copy_(t)
+        views = self._views(self._buffer)
+        for key, t in unique.items():
+            views[key].copy_(t)
 
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        views = []
-        for _, _, offset, dtype, shape in self._layout:
-            n = shape.numel() * dtype.itemsize
-            views.append(buffer[offset : offset + n].view(dtype).view(shape))
-        return views
+    def _views(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
+        return {
+            key: buffer[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            for key, (offset, dtype, shape) in self._layout.items()
+        }
 
     def to(self, device: torch.device) -> dict[str, Weight]:
         """The weights again, on `device`, as views of one buffer there (one copy)."""
-        buffer = self._buffer.to(device)
+        views = self._views(self._buffer.to(device))
         parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self._kinds}
-        for (name, part, *_), view in zip(self._layout, self._views(buffer), strict=True):
-            parts[name][part] = view
+        for name, part, key in self._parts:
+            parts[name][part] = views[key]
         return {
             name: p[""] if issubclass(kind, torch.Tensor) else kind(**p)
             for (name, kind), p in zip(self._kinds.items(), parts.values(), strict=True)

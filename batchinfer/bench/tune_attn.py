@@ -49,8 +49,9 @@ PREFILL = [
 DECODE = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
 GDN_DECODE = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)]
 # The persistent decode launch (`_delta_rule_decode_kernel`): (BLOCK_V, warps, programs an SM, stages). sm_90
-# compile at 32-wide tiles on 4 warps: 3 stages 147 registers (3 programs an SM) and 33 KB of shared memory,
-# 2 stages 121 (4 an SM) and 17 KB.
+# compile (Triton 3.9, not the H200's 3.6) at 32-wide tiles on 4 warps: 3 stages 147 registers (3 programs an
+# SM) and 33 KB of shared memory, 2 stages 121 (4 an SM) and 17 KB; 64-wide on 8 warps, 2 stages: 128 (2 an
+# SM). (32, 4, 8, 2) asks for twice what fits: two waves of runs half as long.
 GDN_DECODE_PERSISTENT = [(32, 4, 3, 3), (32, 4, 4, 2), (32, 4, 2, 3), (32, 4, 8, 2), (64, 8, 2, 2)]
 GDN_PREFILL = [(bv, w) for bv in (8, 16, 32) for w in (1, 2, 4)]
 # The chunked rule: changes to `_chunk_configs`' choice for the pass (BT, BLOCK_V, warps and pipeline
@@ -182,7 +183,12 @@ def _gdn_decode_point(dev: torch.device, B: int) -> list[dict]:
     states = [base.clone() for _ in range(max(2, math.ceil(240e6 / base.nbytes)))]
     slots = torch.arange(B, device=dev)
     step = lambda c, s: gated_delta_rule(q, k, v, a, b, A_log, dt_bias, s, slots, config=c)
-    ref = step(_delta_rule_configs(True), base.clone())
+
+    def checked(c: dict[str, int]) -> torch.Tensor:  # the outputs and the state written back
+        s = base.clone()
+        return torch.cat([step(c, s).float().flatten(), s.flatten()])
+
+    ref = checked(_delta_rule_configs(True))
     configs = [_delta_rule_configs(True)] + [dict(BLOCK_V=bv, num_warps=w) for bv, w in GDN_DECODE]
     configs += [
         dict(BLOCK_V=bv, num_warps=w, PERSISTENT=p, STAGES=st) for bv, w, p, st in GDN_DECODE_PERSISTENT
@@ -191,7 +197,7 @@ def _gdn_decode_point(dev: torch.device, B: int) -> list[dict]:
         f"gdn decode B={B}",
         configs,
         lambda c, i: step(c, states[i]),
-        lambda c: step(c, base.clone()),
+        checked,
         ref,
         len(states),
         {"batch": B},

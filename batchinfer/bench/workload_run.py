@@ -10,7 +10,7 @@ import datetime
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,38 +37,54 @@ class BenchModel:
     config: ModelConfig
     raw: dict[str, Any]  # the config.json dict
     weights: dict[str, Weight]
-    model: QwenMoeModel  # in the engine's dtype
-    reference: QwenMoeModel  # fp32; quantized linears shared with `model`, dequantized at each use
+    dtype: torch.dtype  # the engine model's
     info: dict[str, str]
-    host: HostCopy | None = None  # the weights in host memory, made the first time they leave the GPU
+    # (the model in `dtype`, the fp32 reference; quantized linears shared, dequantized at each use); None
+    # while the weights are in host memory (`weights_off_gpu`)
+    models: tuple[QwenMoeModel, QwenMoeModel] | None = field(default=None, init=False)
+    host: HostCopy | None = field(default=None, init=False)  # made the first time the weights leave the GPU
 
+    def __post_init__(self) -> None:
+        self.build_models()
 
-def _models(config: ModelConfig, weights: dict[str, Weight], dtype: torch.dtype) -> tuple[QwenMoeModel, ...]:
-    """(the model in `dtype`, the fp32 reference): the same model when `dtype` is fp32."""
-    model = QwenMoeModel(config, weights, dtype=dtype)
-    return model, model if dtype == torch.float32 else QwenMoeModel(config, weights, dtype=torch.float32)
+    def build_models(self) -> None:
+        model = QwenMoeModel(self.config, self.weights, dtype=self.dtype)
+        fp32 = self.dtype == torch.float32
+        self.models = model, model if fp32 else QwenMoeModel(self.config, self.weights, dtype=torch.float32)
+
+    def _models(self) -> tuple[QwenMoeModel, QwenMoeModel]:
+        if self.models is None:
+            raise RuntimeError("the benchmark's weights are in host memory (inside weights_off_gpu)")
+        return self.models
+
+    @property
+    def model(self) -> QwenMoeModel:
+        return self._models()[0]
+
+    @property
+    def reference(self) -> QwenMoeModel:
+        return self._models()[1]
 
 
 @contextmanager
 def weights_off_gpu(bm: BenchModel) -> Iterator[None]:
-    """The block runs with the benchmark's weights and models in host memory, so the GPU has the memory a
-    production run has (`host_copy` says why); they are back on the GPU after it (not after a block that
-    raised: no lock reads that run's output)."""
-    device, dtype = bm.model.device, bm.model.dtype
+    """The block runs with the benchmark's weights in host memory and its models dropped, so the GPU has
+    the memory a production run has (`host_copy` says why); they are back on the GPU after it (not after a
+    block that raised: no lock reads that run's output)."""
+    device = bm.model.device
     if device.type != "cuda":
         yield
         return
     if bm.host is None:
         bm.host = HostCopy(bm.weights)
-    bm.weights = bm.host.to(torch.device("cpu"))
-    bm.model, bm.reference = _models(bm.config, bm.weights, dtype)
+    before = torch.cuda.mem_get_info(device)[0]
+    bm.weights, bm.models = bm.host.to(torch.device("cpu")), None
     torch.cuda.empty_cache()  # the engine plans its slots on what the driver reports free
-    log.info(
-        "the benchmark's weights are in host memory while the engine runs (%.1f GiB)", bm.host.nbytes / 2**30
-    )
+    freed = torch.cuda.mem_get_info(device)[0] - before
+    log.info("the benchmark's weights wait in host memory: %.1f GiB of the GPU freed", freed / 2**30)
     yield
     bm.weights = bm.host.to(device)
-    bm.model, bm.reference = _models(bm.config, bm.weights, dtype)
+    bm.build_models()
 
 
 def build_model(
@@ -85,14 +101,13 @@ def build_model(
         config, weights = load_checkpoint(tensors, config=raw, device=device, dtype=dtype)
         del tensors
         source = f"preset {preset} (random weights, seed 0)"
-    model, reference = _models(config, weights, dtype)
     info = {
         "model": source,
         "model_type": config.model_type,
         "quantization": describe_quantization(weights, raw),
         "vocab_size": str(config.vocab_size),
     }
-    return BenchModel(config, raw, weights, model, reference, info)
+    return BenchModel(config, raw, weights, dtype, info)
 
 
 def environment(device: torch.device) -> dict[str, str]:
@@ -111,8 +126,9 @@ def _run_one(
     bench_model: BenchModel,
     device: torch.device,
     lock_sample: int,
+    off_gpu: bool,
 ) -> tuple[dict[str, Any], LockResult]:
-    with weights_off_gpu(bench_model) if engine.owns_weights else nullcontext():
+    with weights_off_gpu(bench_model) if off_gpu else nullcontext():
         warmup = getattr(engine, "warmup", None)
         if warmup is not None:  # untimed: one-time compilation is not the engine's steady-state speed
             warmup(requests.prompts, requests.out_lens)
@@ -147,7 +163,10 @@ def run_benchmark(
 
     Raises `AccuracyLockError` when the engine's (or the peer's) output fails the lock.
     """
-    figures, lock = _run_one(engine, requests, bench_model, device, lock_sample)
+    # the weights leave the GPU only while no engine of this run reads them (the reference engine reads
+    # them, and it outlives its run in the caller)
+    off_gpu = engine.owns_weights
+    figures, lock = _run_one(engine, requests, bench_model, device, lock_sample, off_gpu)
     if not lock.passed:
         raise _lock_error(f"engine {engine.describe().get('engine')}", lock)
     doc: dict[str, Any] = {
@@ -166,7 +185,9 @@ def run_benchmark(
     if peer is not None and peer_requests is not None:
         del engine
         peer = peer()
-        peer_figures, peer_lock = _run_one(peer, peer_requests, bench_model, device, lock_sample)
+        peer_figures, peer_lock = _run_one(
+            peer, peer_requests, bench_model, device, lock_sample, off_gpu and peer.owns_weights
+        )
         if not peer_lock.passed:
             raise _lock_error(f"peer {peer.describe().get('engine')}", peer_lock)
         doc["peer"] = {

@@ -9,13 +9,13 @@ passes and decode steps (`bench run --prefill-tokens/--refill-fraction` measures
 than a pass is prefilled in pieces (chunked prefill: each piece continues the slot's KV cache and
 DeltaNet state), one pass between decode steps, so a long prompt does not stall the running batch.
 A decode step is a CUDA graph replay for the smallest captured batch-size bucket >= the running count
-(padding rows point at a scratch slot), then greedy argmax or the fused sampler on the GPU; the sampled
-ids stay on the device as the next step's input. Their copy to the host (pinned, one small copy a step)
-is read one step late, while the next step runs, so the host never waits on the step it launched: a row
-whose token limit the step in flight reaches leaves the batch on the device (a gather of the static
-buffers, no read-back), and a row stopped by a stop token or a callback computes one extra token, which
-is dropped. The host waits on the GPU only before a prefill pass, whose new rows are loaded from its
-view of every row.
+(padding rows have slot and position -1: no state traffic, nothing attended), then greedy argmax or the
+fused sampler on the GPU; the sampled ids stay on the device as the next step's input. Their copy to
+the host (pinned, one small copy a step) is read one step late, while the next step runs, so the host
+never waits on the step it launched: a row whose token limit the step in flight reaches leaves the batch
+on the device (a gather of the static buffers, no read-back), and a row stopped by a stop token or a
+callback computes one extra token, which is dropped. The host waits on the GPU only before a prefill
+pass, whose new rows are loaded from its view of every row.
 With `prefill_graph_tokens`, a pass that is one fresh prompt (the latency case: about a thousand kernel
 launches for little device work) replays the CUDA graph of its length bucket, a power of two from 64 up to
 `prefill_graph_tokens`: the prompt, then a filler sequence up to the bucket in the scratch slot.
@@ -50,6 +50,10 @@ MEMORY_RESERVE = 0.1  # of total GPU memory kept free for activations and the gr
 # A lone fresh prompt up to this long is prefilled by a CUDA graph: `single`'s time to first token on the
 # H200 went from 44.2 to 26.5 ms (Qwen3.6, 512 tokens, session 10), the same output tokens.
 PREFILL_GRAPH_TOKENS = 2048
+# A padded decode row's slot and position: the kernels read and write no state for a negative slot
+# (its DeltaNet state would otherwise be read and written in full, 126 MB a step on Qwen3.6's fp32
+# state) and a position of -1 gives it nothing to attend to.
+PAD = -1
 
 
 @dataclass(slots=True, eq=False)  # identity: `in` tests find the very sequence
@@ -156,7 +160,7 @@ class FastGenerator:
         slots = self._ensure_state(n, max_len)
         if self.cuda_graphs:
             with torch.inference_mode():
-                for bucket in _buckets(slots):  # rows point at the scratch slot: nothing real advances
+                for bucket in _buckets(slots):  # rows are padding: nothing real advances
                     self._decode_logits(bucket)
                 bucket = 64
                 while bucket <= self.prefill_graph_tokens and bucket - 1 <= self._max_len:
@@ -198,8 +202,8 @@ class FastGenerator:
         self._slots, self._max_len = slots, max_len
         dev = self.device
         self._ids = torch.zeros(slots, dtype=torch.int64, device=dev)
-        self._pos = torch.zeros(slots, dtype=torch.int32, device=dev)
-        self._slot_ids = torch.full((slots,), slots, dtype=torch.int32, device=dev)
+        self._pos = torch.full((slots,), PAD, dtype=torch.int32, device=dev)
+        self._slot_ids = torch.full((slots,), PAD, dtype=torch.int32, device=dev)
         self._temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
         self._top_k = torch.zeros(slots, dtype=torch.int32, device=dev)
         self._top_p = torch.ones(slots, dtype=torch.float32, device=dev)
@@ -246,9 +250,9 @@ class FastGenerator:
         pos = [len(s.prompt) + len(s.tokens) - 1 for s in rows]
         self._ids[:n].copy_(torch.tensor([s.tokens[-1] for s in rows], dtype=torch.int64))
         self._pos[:n].copy_(torch.tensor(pos, dtype=torch.int32))
-        self._slot_ids.fill_(self._slots)
+        self._slot_ids.fill_(PAD)
         self._slot_ids[:n].copy_(torch.tensor([s.slot for s in rows], dtype=torch.int32))
-        self._pos[n:].zero_()
+        self._pos[n:].fill_(PAD)
         self._temperature[:n].copy_(torch.tensor([s.params.temperature for s in rows], dtype=torch.float32))
         self._top_k[:n].copy_(torch.tensor([s.params.top_k for s in rows], dtype=torch.int32))
         self._top_p[:n].copy_(torch.tensor([s.params.top_p for s in rows], dtype=torch.float32))
@@ -257,7 +261,7 @@ class FastGenerator:
 
     def _keep_rows(self, keep: list[int], n: int) -> None:
         """Rows `keep` of the first `n` of the static buffers move to the front, on the device (their ids
-        and positions are the device's own, one step ahead of the host); the rest point at the scratch slot.
+        and positions are the device's own, one step ahead of the host); the rest become padding.
         The index goes up from pinned memory without a stream sync, behind the step in flight."""
         idx = torch.tensor(keep, dtype=torch.int64)
         if self.device.type == "cuda":
@@ -267,8 +271,8 @@ class FastGenerator:
         for buf in (self._ids, self._pos, self._slot_ids, self._temperature, self._top_k, self._top_p,
                     self._seeds, self._steps):  # fmt: skip
             buf[:k] = buf[idx]
-        self._slot_ids[k:n] = self._slots
-        self._pos[k:n] = 0
+        self._slot_ids[k:n] = PAD
+        self._pos[k:n] = PAD
 
     def _fetch(self, tokens: torch.Tensor, rows: list[_Seq]) -> _Step:
         """Start the copy of a step's tokens to the host (on CUDA into the pinned buffer the previous step
