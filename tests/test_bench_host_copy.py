@@ -8,6 +8,7 @@ import pytest
 import torch
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
 
+from batchinfer.bench import host_copy
 from batchinfer.bench.e2e import FastTokenEngine, ReferenceTokenEngine
 from batchinfer.bench.hf_peer import HfPeer
 from batchinfer.bench.host_copy import HostCopy
@@ -60,6 +61,14 @@ def test_a_tensor_under_two_names_is_copied_once_and_comes_back_shared():
     assert back["lm_head"] is back["embed"] and torch.equal(back["lm_head"], weights["embed"])
 
 
+def test_the_size_is_known_before_the_copy_and_host_memory_is_read():
+    weights = _weights()
+    weights["lm_head"] = weights["embed"]
+    assert host_copy.nbytes(weights) == HostCopy(weights).nbytes
+    room = host_copy.host_available()
+    assert room is None or room > 0
+
+
 def test_engines_say_whether_they_run_on_their_own_copies():
     assert FastTokenEngine.owns_weights and HfPeer.owns_weights and not ReferenceTokenEngine.owns_weights
 
@@ -76,6 +85,22 @@ def test_weights_stay_put_on_the_cpu():
     with weights_off_gpu(bm):
         assert bm.weights is weights and bm.model is model
     assert bm.host is None and bm.reference is model  # an fp32 model is its own reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_weights_stay_on_the_gpu_without_host_room(monkeypatch):
+    bm = build_model(
+        model_path=None,
+        preset="tiny-qwen3-moe",
+        quant="nvfp4",
+        device=torch.device("cuda"),
+        dtype=torch.bfloat16,
+    )
+    monkeypatch.setattr(host_copy, "host_available", lambda: host_copy.nbytes(bm.weights))
+    model = bm.model
+    with weights_off_gpu(bm):
+        assert bm.model is model and bm.host is None
 
 
 @pytest.mark.gpu

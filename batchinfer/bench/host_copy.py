@@ -30,6 +30,22 @@ def _parts(w: Weight) -> dict[str, torch.Tensor]:
     return {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
 
 
+def nbytes(weights: Mapping[str, Weight]) -> int:
+    """The host buffer `HostCopy` would make for `weights`."""
+    unique = {id(t): t for w in weights.values() for t in _parts(w).values()}
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in unique.values())
+
+
+def host_available() -> int | None:
+    """Bytes of host memory available to a new allocation (Linux `MemAvailable`), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 class HostCopy:
     """The tensors of `weights` in one host buffer (made once; the weights never change). A tensor that
     several names share (a tied embedding and lm_head) is copied once and comes back shared."""
@@ -43,7 +59,7 @@ class HostCopy:
         for key, t in unique.items():
             self._layout[key] = (offset, t.dtype, t.shape)
             offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        self.nbytes = offset
+        self.nbytes = offset  # = nbytes(weights)
         self._buffer = torch.empty(offset, dtype=torch.uint8)
         views = self._views(self._buffer)
         for key, t in unique.items():

@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from batchinfer.bench import commit_id
+from batchinfer.bench import commit_id, host_copy
 from batchinfer.bench.accuracy_lock import MIN_SAMPLE, AccuracyLockError, LockResult, accuracy_lock
 from batchinfer.bench.e2e import TokenEngine, measure
-from batchinfer.bench.host_copy import HostCopy
 from batchinfer.bench.workloads import WorkloadRequests
 from batchinfer.checkpoint.loader import Weight, load_checkpoint, read_raw_config
 from batchinfer.checkpoint.presets import build_checkpoint
@@ -42,7 +41,9 @@ class BenchModel:
     # (the model in `dtype`, the fp32 reference; quantized linears shared, dequantized at each use); None
     # while the weights are in host memory (`weights_off_gpu`)
     models: tuple[QwenMoeModel, QwenMoeModel] | None = field(default=None, init=False)
-    host: HostCopy | None = field(default=None, init=False)  # made the first time the weights leave the GPU
+    host: host_copy.HostCopy | None = field(
+        default=None, init=False
+    )  # made the first time the weights leave the GPU
 
     def __post_init__(self) -> None:
         self.build_models()
@@ -76,7 +77,16 @@ def weights_off_gpu(bm: BenchModel) -> Iterator[None]:
         yield
         return
     if bm.host is None:
-        bm.host = HostCopy(bm.weights)
+        need, room = host_copy.nbytes(bm.weights), host_copy.host_available()
+        if room is not None and need > 0.9 * room:  # keep them: fewer slots, but no host out-of-memory
+            log.warning(
+                "the benchmark's weights stay on the GPU: their host copy needs %.1f GiB, %.1f GiB available",
+                need / 2**30,
+                room / 2**30,
+            )
+            yield
+            return
+        bm.host = host_copy.HostCopy(bm.weights)
     before = torch.cuda.mem_get_info(device)[0]
     bm.weights, bm.models = bm.host.to(torch.device("cpu")), None
     torch.cuda.empty_cache()  # the engine plans its slots on what the driver reports free
