@@ -284,6 +284,7 @@ def _decode_combine_kernel(
     base = (b * H + h) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=-float("inf"))
     top = tl.max(lse, axis=0)
+    top = tl.where(top > -float("inf"), top, 0.0)  # a padded row (every split empty): no -inf - -inf
     w = tl.where(lse > -float("inf"), tl.exp2(lse - top), 0.0)
     total = tl.sum(w, axis=0)
     parts = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],

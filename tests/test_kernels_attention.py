@@ -106,14 +106,19 @@ def test_decode_attention(monkeypatch, H, Hkv, Dh, gated, max_seqlen):
     assert rel_err(out, ref) < 1e-2
 
 
-def test_decode_attention_padded_rows_are_zero():
-    kc, vc = _cache(2, 1, 32, 32)
-    q = rnd(2, 2, 32)
-    out = decode_attention(
-        q, kc, vc, torch.tensor([1, -1], device=DEV), torch.tensor([5, 0], dtype=torch.int32, device=DEV)
+@pytest.mark.parametrize("max_len", [32, 64])  # 64: several KV splits and their combine
+def test_decode_attention_padded_rows_are_zero(max_len):
+    """A padding row of the engine's graphs (slot -1, length 0) reads no cache and returns zeros, also
+    through the split combine and the output gate."""
+    kc, vc = _cache(2, 1, max_len, 32)
+    q, gate = rnd(2, 2, 32), rnd(2, 2, 32)
+    slots, lens = (
+        torch.tensor([1, -1], device=DEV),
+        torch.tensor([max_len - 3, 0], dtype=torch.int32, device=DEV),
     )
+    out = decode_attention(q, kc, vc, slots, lens, gate=gate)
     assert torch.equal(out[1].float().cpu(), torch.zeros(2, 32))
-    ref = decode_attention_ref(q, kc, vc, torch.tensor([1, 0]), torch.tensor([5, 0]))
+    ref = decode_attention_ref(q, kc, vc, torch.tensor([1, 0]), lens.cpu(), gate=gate)
     assert rel_err(out[0], ref[0]) < 1e-2
 
 

@@ -203,9 +203,10 @@ def test_padded_rows_write_nothing(kernel):
     k, v = _rows(4, 2, 32, seed=5), _rows(4, 2, 32, seed=6)
     slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32, device=DEV)
     pos = torch.tensor([2, 0, -1, 3], dtype=torch.int32, device=DEV)
-    (kc, _), (vc, _) = _caches(2, 2, 6, 32, fp8=False), _caches(2, 2, 6, 32, fp8=False)
-    kc.fill_(7.0)
-    vc.fill_(7.0)
+    (kbig, _), (vbig, _) = _caches(3, 2, 6, 32, fp8=False), _caches(3, 2, 6, 32, fp8=False)
+    kbig.fill_(7.0)
+    vbig.fill_(7.0)
+    kc, vc = kbig[1:], vbig[1:]  # a write to slot -1 would land in slot 0 of these, and show
     if kernel:
         kv_cache._store_kv_kernel[(4, 2)](
             k, v, kc, vc, kc, vc, slots, pos, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -217,3 +218,4 @@ def test_padded_rows_write_nothing(kernel):
     written = torch.zeros(2, 6, dtype=torch.bool)
     written[1, 2] = written[1, 3] = True
     assert (kc.permute(0, 2, 1, 3)[~written] == 7.0).all() and (vc.permute(0, 2, 1, 3)[~written] == 7.0).all()
+    assert (kbig[0] == 7.0).all() and (vbig[0] == 7.0).all()

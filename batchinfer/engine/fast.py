@@ -159,6 +159,8 @@ class FastGenerator:
         so a timed run that follows (same or smaller needs) does neither."""
         slots = self._ensure_state(n, max_len)
         if self.cuda_graphs:
+            self._slot_ids.fill_(PAD)  # a pool kept from an earlier run may hold its last rows
+            self._pos.fill_(PAD)
             with torch.inference_mode():
                 for bucket in _buckets(slots):  # rows are padding: nothing real advances
                     self._decode_logits(bucket)

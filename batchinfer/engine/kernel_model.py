@@ -386,7 +386,8 @@ class KernelModel:
         self, state: SlotState, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """One token per row: `ids [B]` at `positions [B]` (int32) of the sequences in `slots [B]` (int32).
-        Appends to the slots' state; returns bf16 logits `[B, V]`. No host sync (CUDA-graph safe)."""
+        Appends to the slots' state; returns bf16 logits `[B, V]`. No host sync (CUDA-graph safe). A row
+        with slot and position -1 pads a batch: it reads and writes no state and attends to nothing."""
         c = self.config
         seq_lens, slot_idx, pos_idx = positions + 1, slots.long(), positions.long()
         x, residual = embedding(ids, self.embed), None
