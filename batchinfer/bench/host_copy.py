@@ -30,10 +30,18 @@ def _parts(w: Weight) -> dict[str, torch.Tensor]:
     return {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
 
 
+def _unique(weights: Mapping[str, Weight]) -> dict[int, torch.Tensor]:
+    """Every tensor of `weights` once, by identity (a tied embedding and lm_head are one)."""
+    return {id(t): t for w in weights.values() for t in _parts(w).values()}
+
+
+def _aligned(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+
+
 def nbytes(weights: Mapping[str, Weight]) -> int:
     """The host buffer `HostCopy` would make for `weights`."""
-    unique = {id(t): t for w in weights.values() for t in _parts(w).values()}
-    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in unique.values())
+    return sum(_aligned(t) for t in _unique(weights).values())
 
 
 def host_available() -> int | None:
@@ -53,13 +61,13 @@ class HostCopy:
     def __init__(self, weights: Mapping[str, Weight]) -> None:
         self._kinds = {name: type(w) for name, w in weights.items()}
         self._parts = [(name, part, id(t)) for name, w in weights.items() for part, t in _parts(w).items()]
-        unique = {id(t): t for w in weights.values() for t in _parts(w).values()}
+        unique = _unique(weights)
         self._layout: dict[int, tuple[int, torch.dtype, torch.Size]] = {}
         offset = 0
         for key, t in unique.items():
             self._layout[key] = (offset, t.dtype, t.shape)
-            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        self.nbytes = offset  # = nbytes(weights)
+            offset += _aligned(t)
+        self.nbytes = offset
         self._buffer = torch.empty(offset, dtype=torch.uint8)
         views = self._views(self._buffer)
         for key, t in unique.items():
