@@ -41,9 +41,7 @@ class BenchModel:
     # (the model in `dtype`, the fp32 reference; quantized linears shared, dequantized at each use); None
     # while the weights are in host memory (`weights_off_gpu`)
     models: tuple[QwenMoeModel, QwenMoeModel] | None = field(default=None, init=False)
-    host: host_copy.HostCopy | None = field(
-        default=None, init=False
-    )  # made the first time the weights leave the GPU
+    host: host_copy.HostCopy | None = field(default=None, init=False)  # made when they first leave the GPU
 
     def __post_init__(self) -> None:
         self.build_models()
@@ -68,13 +66,14 @@ class BenchModel:
 
 
 @contextmanager
-def weights_off_gpu(bm: BenchModel) -> Iterator[None]:
+def weights_off_gpu(bm: BenchModel) -> Iterator[str]:
     """The block runs with the benchmark's weights in host memory and its models dropped, so the GPU has
     the memory a production run has (`host_copy` says why); they are back on the GPU after it (not after a
-    block that raised: no lock reads that run's output)."""
+    block that raised: no lock reads that run's output). Yields where the weights are during the block:
+    "host memory", or their device where they stay."""
     device = bm.model.device
     if device.type != "cuda":
-        yield
+        yield device.type
         return
     if bm.host is None:
         need, room = host_copy.nbytes(bm.weights), host_copy.host_available()
@@ -84,7 +83,7 @@ def weights_off_gpu(bm: BenchModel) -> Iterator[None]:
                 need / 2**30,
                 room / 2**30,
             )
-            yield
+            yield device.type
             return
         bm.host = host_copy.HostCopy(bm.weights)
     before = torch.cuda.mem_get_info(device)[0]
@@ -92,7 +91,7 @@ def weights_off_gpu(bm: BenchModel) -> Iterator[None]:
     torch.cuda.empty_cache()  # the engine plans its slots on what the driver reports free
     freed = torch.cuda.mem_get_info(device)[0] - before
     log.info("the benchmark's weights wait in host memory: %.1f GiB of the GPU freed", freed / 2**30)
-    yield
+    yield "host memory"
     bm.weights = bm.host.to(device)
     bm.build_models()
 
@@ -138,12 +137,14 @@ def _run_one(
     lock_sample: int,
     off_gpu: bool,
 ) -> tuple[dict[str, Any], LockResult]:
-    with weights_off_gpu(bench_model) if off_gpu else nullcontext():
+    stay = nullcontext(bench_model.model.device.type)
+    with weights_off_gpu(bench_model) if off_gpu else stay as weights_at:
         warmup = getattr(engine, "warmup", None)
         if warmup is not None:  # untimed: one-time compilation is not the engine's steady-state speed
             warmup(requests.prompts, requests.out_lens)
         log.info("running %d requests through %s", len(requests.prompts), engine.describe().get("engine"))
         outputs, figures = measure(engine, requests.prompts, requests.out_lens, device)
+    figures["benchmark_weights_during_run"] = weights_at  # the reference's: they bound the engine's memory
     lock = accuracy_lock(bench_model.reference, requests.prompts, outputs, lock_sample)
     return figures, lock
 
