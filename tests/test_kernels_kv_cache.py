@@ -119,7 +119,7 @@ def test_decode_attention_reads_an_fp8_cache(monkeypatch, H, Hkv, Dh, gated, v_d
     g = torch.Generator().manual_seed(11)
     q = torch.randn(4, H, Dh, generator=g).to(torch.bfloat16).to(DEV)
     gate = torch.randn(4, H, Dh, generator=g).to(torch.bfloat16).to(DEV) if gated else None
-    slots = torch.tensor([0, 1, 4, 3], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([0, 1, -1, 3], dtype=torch.int32, device=DEV)  # row 2: the engine's padding
     seq_lens = torch.tensor([lens[0], lens[1], 0, lens[3]], dtype=torch.int32, device=DEV)
     out = decode_attention(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)
     ref = decode_attention_ref(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)
