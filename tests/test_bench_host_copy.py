@@ -73,51 +73,40 @@ def test_engines_say_whether_they_run_on_their_own_copies():
     assert FastTokenEngine.owns_weights and HfPeer.owns_weights and not ReferenceTokenEngine.owns_weights
 
 
+def _tiny(device: str, dtype: torch.dtype, preset: str = "tiny-qwen3-moe", quant: str = "nvfp4"):
+    return build_model(model_path=None, preset=preset, quant=quant, device=torch.device(device), dtype=dtype)
+
+
 def test_weights_stay_put_on_the_cpu():
-    bm = build_model(
-        model_path=None,
-        preset="tiny-qwen3-moe",
-        quant="nvfp4",
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    bm = _tiny("cpu", torch.float32)
     weights, model = bm.weights, bm.model
-    with weights_off_gpu(bm):
-        assert bm.weights is weights and bm.model is model
+    with weights_off_gpu(bm) as where:
+        assert where == "cpu" and bm.weights is weights and bm.model is model
     assert bm.host is None and bm.reference is model  # an fp32 model is its own reference
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_weights_stay_on_the_gpu_without_host_room(monkeypatch):
-    bm = build_model(
-        model_path=None,
-        preset="tiny-qwen3-moe",
-        quant="nvfp4",
-        device=torch.device("cuda"),
-        dtype=torch.bfloat16,
-    )
+    bm = _tiny("cuda", torch.bfloat16)
     monkeypatch.setattr(host_copy, "host_available", lambda: host_copy.nbytes(bm.weights))
     model = bm.model
-    with weights_off_gpu(bm):
-        assert bm.model is model and bm.host is None
+    with weights_off_gpu(bm) as where:
+        assert where == "cuda" and bm.model is model and bm.host is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_weights_leave_the_gpu_and_come_back():
     dev = torch.device("cuda")
-    bm = build_model(
-        model_path=None, preset="tiny-qwen3.5-moe", quant="mixed", device=dev, dtype=torch.bfloat16
-    )
-    before = {n: w for n, w in bm.weights.items()}
+    bm = _tiny("cuda", torch.bfloat16, "tiny-qwen3.5-moe", "mixed")
     ids = torch.randint(0, bm.config.vocab_size, (1, 12), device=dev)
     logits = bm.reference.forward(ids, bm.reference.new_cache(1, 12))
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated(dev)
-    del before
-    with weights_off_gpu(bm):
-        assert bm.models is None and bm.weights["embed_tokens"].device.type == "cpu"
+    with weights_off_gpu(bm) as where:
+        assert where == "host memory" and bm.models is None
+        assert bm.weights["embed_tokens"].device.type == "cpu"
         with pytest.raises(RuntimeError, match="in host memory"):
             bm.reference  # noqa: B018
         assert torch.cuda.memory_allocated(dev) < held - bm.host.nbytes // 2

@@ -160,6 +160,7 @@ def test_cli_single_on_the_tiny_preset(tmp_path):
     r = doc["results"]
     assert r["requests"] == 1 and r["output_tokens"] == 40 and r["prompt_tokens"] == 48
     assert r["batch_sizes"] == {"max": 1, "mean": 1.0, "steps": {"1": 40}}
+    assert r["benchmark_weights_during_run"] == "cpu"  # the reference engine reads them: they stay
     for key in ("wall_s", "out_tok_per_s", "total_tok_per_s", "decode_tok_per_s", "tpot_ms"):
         assert r[key] > 0, key
     lock = doc["accuracy_lock"]
