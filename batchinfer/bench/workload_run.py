@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,26 +65,33 @@ class BenchModel:
         return self._models()[1]
 
 
+def _host_can_hold(bm: BenchModel) -> bool:
+    """Whether the weights' host copy exists or fits (under 90% of the host's available memory)."""
+    if bm.host is not None:
+        return True
+    need, room = host_copy.nbytes(bm.weights), host_copy.host_available()
+    if room is None or need <= 0.9 * room:
+        return True
+    log.warning(
+        "the benchmark's weights stay on the GPU: their host copy needs %.1f GiB, %.1f GiB available",
+        need / 2**30,
+        room / 2**30,
+    )
+    return False
+
+
 @contextmanager
-def weights_off_gpu(bm: BenchModel) -> Iterator[str]:
-    """The block runs with the benchmark's weights in host memory and its models dropped, so the GPU has
-    the memory a production run has (`host_copy` says why); they are back on the GPU after it (not after a
-    block that raised: no lock reads that run's output). Yields where the weights are during the block:
-    "host memory", or their device where they stay."""
+def weights_off_gpu(bm: BenchModel, move: bool = True) -> Iterator[str]:
+    """With `move`, the block runs with the benchmark's weights in host memory and its models dropped, so
+    the GPU has the memory a production run has (`host_copy` says why); they are back on the GPU after it
+    (not after a block that raised: no lock reads that run's output). Nothing moves off a CPU, nor where
+    the host cannot hold them (fewer slots, but no host out-of-memory). Yields where the weights are
+    during the block: "host memory", or their device."""
     device = bm.model.device
-    if device.type != "cuda":
+    if not move or device.type != "cuda" or not _host_can_hold(bm):
         yield device.type
         return
     if bm.host is None:
-        need, room = host_copy.nbytes(bm.weights), host_copy.host_available()
-        if room is not None and need > 0.9 * room:  # keep them: fewer slots, but no host out-of-memory
-            log.warning(
-                "the benchmark's weights stay on the GPU: their host copy needs %.1f GiB, %.1f GiB available",
-                need / 2**30,
-                room / 2**30,
-            )
-            yield device.type
-            return
         bm.host = host_copy.HostCopy(bm.weights)
     before = torch.cuda.mem_get_info(device)[0]
     bm.weights, bm.models = bm.host.to(torch.device("cpu")), None
@@ -137,8 +144,7 @@ def _run_one(
     lock_sample: int,
     off_gpu: bool,
 ) -> tuple[dict[str, Any], LockResult]:
-    stay = nullcontext(bench_model.model.device.type)
-    with weights_off_gpu(bench_model) if off_gpu else stay as weights_at:
+    with weights_off_gpu(bench_model, off_gpu) as weights_at:
         warmup = getattr(engine, "warmup", None)
         if warmup is not None:  # untimed: one-time compilation is not the engine's steady-state speed
             warmup(requests.prompts, requests.out_lens)
