@@ -17,39 +17,55 @@ def test_all_kernels_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_VERSION")}
     cmd = [sys.executable, "-W", "ignore", "-m", "batchinfer.bench.sm90_report", "--max-spill", "128"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| _")]
+    lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(rows) == 62 and not any("FAILED" in line for line in proc.stdout.splitlines())
-    by_kernel = {(r[0].strip("| "), r[1]): r for r in rows}
-    hgmma = [int(r[6]) for (name, _), r in by_kernel.items() if name == "_prefill_attn_kernel"]
-    assert hgmma and all(n > 0 for n in hgmma)  # prefill QK^T and PV run on wgmma
-    ldgsts = [int(r[8]) for (name, _), r in by_kernel.items() if name == "_decode_attn_kernel"]
-    assert ldgsts and all(n > 0 for n in ldgsts)  # the KV stream is software-pipelined (cp.async)
-    loop_ldg = {name: int(r[11].strip(" |")) for (name, _), r in by_kernel.items()}
-    assert loop_ldg["_moe_tc_kernel"] == loop_ldg["_fp8_gemv_kernel"] == 0  # no synchronous loads in loops
+    header = [c.strip("| ") for c in next(line for line in lines if line.startswith("| kernel")).split(" | ")]
+    rows = [[c.strip("| ") for c in line.split(" | ")] for line in lines if line.startswith("| _")]
+    assert len(rows) == 64 and not any("FAILED" in line for line in lines)
+    by_kernel = {(r[0], r[1]): dict(zip(header, r, strict=True)) for r in rows}
+
+    def column(name: str, key: str, case: str | None = None) -> list[str]:
+        return [r[key] for (k, c), r in by_kernel.items() if k == name and case in (None, c)]
+
+    hgmma = column("_prefill_attn_kernel", "HGMMA")
+    assert hgmma and all(int(n) > 0 for n in hgmma)  # prefill QK^T and PV run on wgmma
+    ldgsts = column("_decode_attn_kernel", "LDGSTS")
+    assert ldgsts and all(int(n) > 0 for n in ldgsts)  # the KV stream is software-pipelined (cp.async)
+    for name in ("_moe_tc_kernel", "_fp8_gemv_kernel", "_fp8_rows_mm_kernel"):  # no synchronous loop loads
+        assert set(column(name, "loop LDG")) == {"0"}, name
     gemv = [r for (name, _), r in by_kernel.items() if name in ("_fp8_gemv_kernel", "_nvfp4_gemv_kernel")]
     assert len(gemv) == 5  # the weight stream is cp.async (split-K too), except on group-major NVFP4 rows,
-    assert all((int(r[8]) > 0) != ("group-major" in r[1]) for r in gemv)  # where loads in the loop won
-    serialized = {name: r[12].strip(" |") for (name, _), r in by_kernel.items()}
-    assert serialized["_moe_tc_kernel"] == ""  # pipelined (a zero-trip K loop serialized them to session 12)
+    assert all((int(r["LDGSTS"]) > 0) != ("group-major" in r["case"]) for r in gemv)  # where loads won
+    # under PDL each FP8 GEMV program asks the L2 for its weight rows; one-token MoE decode prefetches the
+    # down weights (not at 8 tokens: past PREFETCH_MAX_ENTRIES)
+    prefetches = {
+        ("_fp8_gemv_kernel", None): 3, ("_moe_decode_gate_up_kernel", "T=1 paired"): 1,
+        ("_router_route_kernel", None): 1,  # the router's rows, before the wait
+    }  # fmt: skip
+    for (name, case), cases in prefetches.items():
+        counts = column(name, "UBLKPF", case)
+        assert len(counts) == cases and all(int(n) > 0 for n in counts), (name, counts)
+    assert column("_moe_decode_gate_up_kernel", "UBLKPF", "T=8 paired") == ["0"]
+    for name in ("_moe_tc_kernel", "_fp8_rows_mm_kernel"):  # pipelined (a zero-trip K loop serialized
+        assert column(name, "wgmma serialized") == [""], name  # moe_tc's until session 12)
     rows_mm = by_kernel[("_fp8_rows_mm_kernel", "N=12288+64 bf16 K=2048 M=32")]  # decoded FP8 as wgmma's A
-    assert int(rows_mm[6]) > 0 and loop_ldg["_fp8_rows_mm_kernel"] == 0
-    assert serialized["_fp8_rows_mm_kernel"] == ""
-    ctas = {name: int(r[13].strip(" |")) for (name, case), r in by_kernel.items() if case == "prefill"}
+    assert int(rows_mm["HGMMA"]) > 0
+    ctas = {name: int(r["CTAs/SM"]) for (name, case), r in by_kernel.items() if case == "prefill"}
     assert ctas["_chunk_inverse_kernel"] >= 8  # small tiles, many programs an SM (one for the fused form)
     scores = by_kernel[("_chunk_scores_kernel", "prefill")]  # a program a k-head, for its v-heads
-    assert ctas["_chunk_scores_kernel"] >= 2 and int(scores[4]) == 0  # two an SM, no spills
+    assert ctas["_chunk_scores_kernel"] >= 2 and scores["spill B"] == "0"  # two an SM, no spills
     assert ctas["_chunk_wu_kernel"] >= 4
-    ldgsts = by_kernel[("_delta_rule_decode_kernel", "decode, fp32 state")]  # the next state tile by cp.async
-    assert int(ldgsts[8]) > 0 and int(ldgsts[4]) == 0 and int(ldgsts[13].strip(" |")) >= 3
+    rule = by_kernel[("_delta_rule_decode_kernel", "decode, fp32 state")]  # the next state tile by cp.async
+    assert int(rule["LDGSTS"]) > 0 and rule["spill B"] == "0" and int(rule["CTAs/SM"]) >= 3
     # every kernel of a decode step is launched with programmatic dependent launch and waits for the one
     # before it ahead of any memory access (the report exits 1 on an access before the wait)
-    pdl = [(name, r[14].strip(" |")) for (name, _), r in by_kernel.items()]  # every case of each kernel
+    pdl = [(name, r["PDL"]) for (name, _), r in by_kernel.items()]  # every case of each kernel
     decode = {
         "_embedding_kernel", "_add_rmsnorm_kernel", "_fp8_gemv_kernel", "_nvfp4_gemv_kernel",
         "_conv1d_update_kernel", "_delta_rule_kernel", "_gated_rmsnorm_kernel", "_qk_norm_rope_kernel",
         "_store_kv_kernel", "_decode_attn_kernel", "_decode_combine_kernel", "_moe_tc_kernel",
-        "_moe_decode_gate_up_kernel", "_moe_decode_down_kernel", "_moe_route_kernel", "_moe_hist_kernel",
+        "_moe_decode_gate_up_kernel", "_moe_decode_down_kernel", "_moe_route_kernel", "_router_route_kernel",
+        "_moe_hist_kernel",
         "_moe_offsets_kernel", "_moe_scatter_kernel", "_sum_slots_kernel",
     }  # fmt: skip
     assert {name for name, _ in pdl} >= decode
