@@ -761,11 +761,9 @@ def fused_moe(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> 
 def router_logits(h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """`h @ router^T` `[T, E']` bf16, as the HF router computes it. With E' not a multiple of 8 (Qwen3.6's
     257: 256 experts and the shared expert's gate) cuBLAS takes an unaligned sm_75 kernel for more than one
-    row (11.8 ms of a 16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200), so more rows
-    run the GEMM on the zero-padded `router_rows`, whose first E' columns are the logits (5.4 us at batch
-    32, session 10). One row keeps cuBLAS's GEMV on the unpadded rows (3.0 us; the padded GEMM took 5.2)."""
-    if h.shape[0] == 1:
-        return h @ w.router.t()
+    row (11.8 ms of a 16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200), so the GEMM
+    runs on the zero-padded `router_rows`, whose first E' columns are the logits (5.4 us at batch 32,
+    session 10). `fused_moe` routes one row with `route_one_row` instead."""
     return (h @ w.router_rows.t())[:, : w.router.shape[0]]
 
 

@@ -294,9 +294,9 @@ def test_decode_path_under_cuda_graph(t, e, d, i, shared):
 
 @pytest.mark.parametrize("experts", [257, 128])
 def test_router_logits_run_as_an_aligned_gemm(experts):
-    """A stacked router of E' rows is the head of a zeroed buffer of E' rounded up to 8 rows; the logits of
-    more than one row come from that aligned GEMM (cuBLAS's aligned kernels), rows 16-byte aligned, the same
-    values as the plain product; one row takes the plain product."""
+    """A stacked router of E' rows is the head of a zeroed buffer of E' rounded up to 8 rows; the logits
+    come from that aligned GEMM (cuBLAS's aligned kernels), rows 16-byte aligned, the same values as the
+    plain product."""
     g = torch.Generator().manual_seed(experts)
     h = torch.randn(37, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     dense = torch.randn(16, 64, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -309,7 +309,6 @@ def test_router_logits_run_as_an_aligned_gemm(experts):
     logits = router_logits(h, w)
     assert logits.shape == (37, experts) and logits.stride(1) == 1 and logits.stride(0) * 2 % 16 == 0
     assert _rel(logits, h @ router.t()) < 1e-2  # another cuBLAS kernel on the GPU: same values up to order
-    assert torch.equal(router_logits(h[:1], w), h[:1] @ router.t())
 
 
 @pytest.mark.parametrize("paired", [False, True])
