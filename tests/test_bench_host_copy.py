@@ -98,7 +98,7 @@ def test_weights_stay_on_the_gpu_without_host_room(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_weights_leave_the_gpu_and_come_back():
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # as the model reports it (with its index)
     bm = _tiny("cuda", torch.bfloat16, "tiny-qwen3.5-moe", "mixed")
     ids = torch.randint(0, bm.config.vocab_size, (1, 12), device=dev)
     logits = bm.reference.forward(ids, bm.reference.new_cache(1, 12))

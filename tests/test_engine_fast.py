@@ -316,7 +316,8 @@ def test_a_padded_prompt_fills_only_its_own_slot():
     alone, padded = km.new_state(3, 80), km.new_state(3, 80)
     want = km.prefill_prompts(alone, [prompt], [1]).float()
     bucket = prefill_bucket(len(prompt))
-    got = km.prefill(padded, *padded_prompt(prompt, 1, 2, bucket), bucket)[:1].float()
+    packed = [x.to(km.device) for x in padded_prompt(prompt, 1, 2, bucket)]  # built on the host
+    got = km.prefill(padded, *packed, bucket)[:1].float()
     assert rel_err(got, want) < 1e-2 and torch.equal(got.argmax(-1), want.argmax(-1))
     _assert_slot_state_matches(alone, padded, 1, len(prompt))
     pools = lambda st: st.k + st.v + st.conv + st.recurrent  # noqa: E731
