@@ -17,10 +17,7 @@ registers (E4M3 -> fp32 is exact) and keeps per-thread partial sums. Its K loop 
 (`tl.range(num_stages=3)`): with no dot in the loop Triton left its loads synchronous, and ncu saw 35% of
 DRAM bandwidth at q_proj's shape (session 7); now cp.async (sm_90 compile): 7.3 us at q_proj, 2.3 TB/s,
 against cuBLAS bf16's 11.4 us (session 10). `fp8_gemv` runs the same kernel on `FP8Rows`, per-tensor
-weights stacked along N with a scale per row: the engine's q|k|v and DeltaNet qkv|z in one launch. Under
-programmatic dependent launch each GEMV program asks the L2 for its weight rows before it waits on the
-kernel before (`pdl.prefetch_l2`): a one-row step is a chain of small launches, and the weights are the
-only bytes a GEMV reads that do not depend on it (untimed). sm_90.
+weights stacked along N with a scale per row: the engine's q|k|v and DeltaNet qkv|z in one launch. sm_90.
 """
 
 from __future__ import annotations
@@ -129,26 +126,21 @@ def _fp8_gemv_kernel(
     N, N_TAIL, K, stride_wn, stride_s,  #
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_TAIL: tl.constexpr,  #
     STAGES: tl.constexpr,  #
-    PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,  #
+    PDL: tl.constexpr = False,  #
 ):
     """out[n] = scale[n] * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K (scale[n]
     at n * stride_s: 0 for one tensor scale, 1 for stacked weights' rows); with HAS_TAIL, rows N to
     N + N_TAIL are bf16 rows of `tail` [N_TAIL, K] (scale 1), a tile across the boundary runs both loops.
     Partial sums [BLOCK_N, BLOCK_K] per thread, one reduction at the end, split partials summed in split
-    order by the last program to finish (as `_fp8_gemm_kernel`). With PREFETCH the program first asks the
-    L2 for its FP8 rows' range of K, before the PDL wait (`pdl.prefetch_l2`)."""
+    order by the last program to finish (as `_fp8_gemm_kernel`)."""
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_w = rows < N
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    if PREFETCH:
-        if k_end > k_start:
-            for r in range(pid_n * BLOCK_N, tl.minimum(N, (pid_n + 1) * BLOCK_N)):
-                pdl.prefetch_l2(w_ptr + r.to(tl.int64) * stride_wn + k_start, k_end - k_start)
-    pdl.enter(PDL)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_w = rows < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if pid_n * BLOCK_N < N:
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
@@ -238,15 +230,8 @@ def _fp8_gemv(
         x, w.data.view(torch.uint8), w.scale, x if tail is None else tail, out, ws, locks,  #
         n, n_tail, k, w.data.stride(0), int(w.scale.ndim == 1),  #
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_TAIL=tail is not None,  #
-        STAGES=cfg.num_stages, PREFETCH=_prefetchable(w.data, block_k), num_warps=cfg.num_warps,  #
-        **pdl.launch(out.device),  #
+        STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl.launch(out.device),  #
     )
-
-
-def _prefetchable(data: torch.Tensor, block_k: int) -> bool:
-    """Whether the GEMV may prefetch `data`'s rows before its PDL wait (`pdl.can_prefetch`): every row's K
-    range (whole BLOCK_K steps from the row's start, at most K bytes) aligned and sized as it needs."""
-    return pdl.can_prefetch(data.device, (data.data_ptr(), data.stride(0), block_k), (data.shape[1], block_k))
 
 
 def fp8_gemv(

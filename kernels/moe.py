@@ -2,14 +2,13 @@
 
 Flow (no host sync; CUDA-graph safe): `logits = h @ router^T` (cuBLAS, bf16) -> `moe_route` (one
 program per token: fp32 softmax, top-k, renormalise; the shared expert rides along as slot A with
-weight sigmoid(shared_gate logit)); one row (single-stream decode) runs both in one launch
-(`route_one_row`) -> one of four paths (by entry count and layout, `_moe_configs`):
+weight sigmoid(shared_gate logit)) -> one of four paths (by entry count and layout, `_moe_configs`):
 - the decode path (NVFP4 experts, at most DECODE_MAX_ENTRIES entries, and for paired experts at most
   DECODE_MAX_PER_EXPERT an expert, where tensor-core tiles would be mostly padding): no alignment;
   gate_up one program per (entry, column tile, K split), down one per (token, column tile, slot split)
   with the routing weights and the top-k sum fused; GEMVs on CUDA cores that decode and multiply each
   word of 8 E2M1 codes in one inline PTX block (`nvfp4_gemm.e2m1_dot8`) and apply each 16-code block
-  scale once per group sum; up to PREFETCH_MAX_ENTRIES, gate_up asks the L2 for the down weights;
+  scale once per group sum;
 - mid-size batches of NVFP4 experts in `moe_tc`'s paired layout (the engine's): `moe_tc`, the weight as
   the tensor cores' register operand (1.3-2x the grouped GEMMs below, timed on the H200);
 - the fused grouped GEMMs (bf16 experts, or NVFP4 in the standard layout): `moe_align` (entries grouped
@@ -86,10 +85,6 @@ class MoEDecodeConfig:
 # at 0.42-0.5 on both models (`moe_tc` at 21b74a1, docs/PERF_KERNELS.md).
 DECODE_MAX_ENTRIES = 288
 DECODE_MAX_PER_EXPERT = 0.35
-# Entries up to which the decode path's gate_up kernel has the L2 prefetch its experts' down weights for
-# the down kernel (under PDL): 2 tokens of 9 slots, ~10 MB at Qwen3.6's shape (0.56 MB an expert), well
-# inside the H200's L2; more would stream through it ahead of use. Untimed.
-PREFETCH_MAX_ENTRIES = 18
 # Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill),
 # against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) entries an expert.
 # H200, session 9 (the decode to bf16 at 2.6 TB/s, docs/PERF_KERNELS.md): `moe_tc` at BLOCK_M 128 wins at
@@ -171,10 +166,16 @@ def _decode_config(numel: int) -> MoEDecodeConfig:
 
 
 @triton.jit
-def _route_store(logits, offs, gate, ids_ptr, weights_ptr, t, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-                 RENORM: tl.constexpr, SHARED: tl.constexpr):
-    """Token t's routing from its fp32 logits `[E_PAD]` (-inf past E) and shared-expert gate logit: the
-    top-k softmax weights and ids, then (SHARED) the shared expert E at sigmoid(gate), stored."""
+def _moe_route_kernel(
+    logits_ptr, ids_ptr, weights_ptr,  #
+    E, stride_lt,  #
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
+):
+    pdl.enter(PDL)
+    t = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)
     slots = tl.arange(0, TOP_K)
@@ -192,25 +193,9 @@ def _route_store(logits, offs, gate, ids_ptr, weights_ptr, t, E, TOP_K: tl.const
     tl.store(ids_ptr + t * stride + slots, top_i)
     tl.store(weights_ptr + t * stride + slots, top_w)
     if SHARED:
+        gate = tl.load(logits_ptr + t * stride_lt + E).to(tl.float32)
         tl.store(ids_ptr + t * stride + TOP_K, E)
         tl.store(weights_ptr + t * stride + TOP_K, tl.sigmoid(gate))
-
-
-@triton.jit
-def _moe_route_kernel(
-    logits_ptr, ids_ptr, weights_ptr,  #
-    E, stride_lt,  #
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,  #
-    PDL: tl.constexpr = False,  #
-):
-    pdl.enter(PDL)
-    t = tl.program_id(0)
-    offs = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
-    gate = 0.0
-    if SHARED:
-        gate = tl.load(logits_ptr + t * stride_lt + E).to(tl.float32)
-    _route_store(logits, offs, gate, ids_ptr, weights_ptr, t, E, TOP_K, E_PAD, RENORM, SHARED)
 
 
 def moe_route(
@@ -236,81 +221,6 @@ def moe_route(
                                 E_PAD=triton.next_power_of_2(num_experts), RENORM=renormalize, SHARED=shared,
                                 num_warps=1, **pdl.launch(ids.device))
     return ids, weights
-
-
-@triton.jit
-def _router_route_kernel(
-    x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, lock_ptr,  #
-    E, D,  #
-    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, TOP_K: tl.constexpr, E_PAD: tl.constexpr,  #
-    RENORM: tl.constexpr, SHARED: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,  #
-    PDL: tl.constexpr = False,  #
-):
-    """One token's router logits and routing in one launch: each program BLOCK_E rows of the router
-    `[E (+1), D]` (contiguous bf16 rows; with PREFETCH asked of the L2 before the PDL wait) dotted with x,
-    rounded to bf16 as the router's matmul stores them, into `logits` (fp32); the program to finish last
-    routes the token from them (`_route_store`) and resets its counter."""
-    first = tl.program_id(0) * BLOCK_E
-    n_rows = E + SHARED
-    if PREFETCH:
-        pdl.prefetch_l2(w_ptr + first.to(tl.int64) * D, (tl.minimum(n_rows, first + BLOCK_E) - first) * D * 2)
-    pdl.enter(PDL)
-    rows = first + tl.arange(0, BLOCK_E)
-    mask_r = rows < n_rows
-    acc = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)
-    for k in tl.range(0, D, BLOCK_D, num_stages=2):
-        cols = k + tl.arange(0, BLOCK_D)
-        mask_k = cols < D
-        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-        mask = mask_r[:, None] & mask_k[None, :]
-        w = tl.load(w_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    logit = bf16_rne(tl.sum(acc, axis=1), INTERPRET).to(tl.float32)
-    tl.store(logits_ptr + rows, logit, mask=mask_r)
-    tl.debug_barrier()
-    if tl.atomic_add(lock_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        offs = tl.arange(0, E_PAD)
-        logits = tl.load(logits_ptr + offs, mask=offs < E, other=-float("inf"), cache_modifier=".cg")
-        gate = 0.0
-        if SHARED:
-            gate = tl.load(logits_ptr + E, cache_modifier=".cg")
-        _route_store(logits, offs, gate, ids_ptr, weights_ptr, 0, E, TOP_K, E_PAD, RENORM, SHARED)
-        tl.atomic_xchg(lock_ptr, 0)
-
-
-def route_one_row(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> tuple[torch.Tensor, ...]:
-    """`moe_route(router_logits(h, w), ...)` for one row `h [1, D]` in one launch (`_router_route_kernel`):
-    single-stream decode paid two small launches a layer for it (cuBLAS's GEMV, 3.0 us, and the routing,
-    3.1 us, H200, session 11), and with PDL the router's 1 MB (Qwen3.6) is prefetched while the kernel before
-    still runs. Untimed."""
-    e, d = w.num_experts, w.hidden
-    if h.shape != (1, d) or h.dtype != torch.bfloat16 or h.stride(1) != 1:
-        raise ValueError(f"h: expected bfloat16 [1, {d}] with unit stride, got {h.dtype} {list(h.shape)}")
-    if top_k & (top_k - 1) or not 0 < top_k <= e:
-        raise ValueError(f"top_k: expected a power of two in 1..{e}, got {top_k}")
-    router, a = w.router, top_k + int(w.has_shared)
-    dev = h.device
-    logits = torch.empty(router.shape[0], dtype=torch.float32, device=dev)
-    ids = torch.empty((1, a), dtype=torch.int32, device=dev)
-    weights = torch.empty((1, a), dtype=torch.float32, device=dev)
-    _router_route_kernel[(triton.cdiv(router.shape[0], ROUTER_ROWS),)](
-        h, router, logits, ids, weights, split_k_locks(dev, 1), e, d,  #
-        BLOCK_E=ROUTER_ROWS, BLOCK_D=min(512, triton.next_power_of_2(d)), TOP_K=top_k,  #
-        E_PAD=triton.next_power_of_2(e), RENORM=renormalize, SHARED=w.has_shared, INTERPRET=interpreting(),  #
-        PREFETCH=_prefetch_router(router), num_warps=2, **pdl.launch(dev),  #
-    )
-    return ids, weights
-
-
-ROUTER_ROWS = 8  # router rows a program of `_router_route_kernel` (Qwen3.6: 33 programs); untimed
-
-
-def _prefetch_router(router: torch.Tensor) -> bool:
-    """Whether `_router_route_kernel` prefetches its rows before its PDL wait: contiguous rows whose
-    programs' ranges the bulk prefetch takes (`pdl.can_prefetch`)."""
-    row_bytes = router.shape[1] * router.element_size()
-    sizes = (ROUTER_ROWS * row_bytes, row_bytes)  # a whole tile; the last tile's rows
-    return router.is_contiguous() and pdl.can_prefetch(router.device, (router.data_ptr(), row_bytes), sizes)
 
 
 @triton.jit
@@ -510,34 +420,18 @@ def _split_total(part, ws_ptrs, lock_ptr, pid_s, stride_s, mask, SPLIT: tl.const
 
 
 @triton.jit
-def _prefetch_expert(codes_ptr, scales_ptr, e, part, parts, codes_bytes, chunk, pieces, piece_bytes,  #
-                     piece_stride, scale_stride_e):
-    """Part `part` of `parts` of expert e's NVFP4 bytes, asked of the L2 (`pdl.prefetch_l2`): `chunk`
-    bytes of its `codes_bytes` contiguous codes, and every `parts`-th of its scales' `pieces` contiguous
-    pieces (`_scale_pieces`)."""
-    start = part.to(tl.int64) * chunk
-    if start < codes_bytes:
-        size = tl.minimum(chunk, codes_bytes - start).to(tl.int32)
-        pdl.prefetch_l2(codes_ptr + e * codes_bytes + start, size)
-    for p in range(part, pieces, parts):
-        pdl.prefetch_l2(scales_ptr + e * scale_stride_e + p.to(tl.int64) * piece_stride, piece_bytes)
-
-
-@triton.jit
 def _moe_decode_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr, dw_ptr, ds_ptr,  #
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
     NUMEL, N, G, A_DIV,  #
     stride_xm, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
-    dw_bytes, dw_chunk, ds_pieces, ds_piece_bytes, ds_piece_stride, ds_stride_e,  #
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
-    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,  #
+    INTERPRET: tl.constexpr,  #
     PDL: tl.constexpr = False,  #
 ):
     """out[entry] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for one entry, BLOCK_N columns n and one
     of SPLIT ranges of K, with tok = entry // A_DIV; stored K-group-major ([16, N / 16]: column n at
     (n % 16) * N/16 + n // 16, or the paired layout's order (`_x_at`)), the order in which the down
-    kernel reads its x. With PREFETCH the entry's programs first ask the L2 for its expert's down
-    weights (`dw`, `ds`: codes and scales as uint8), each a part, for the down kernel that runs next."""
+    kernel reads its x."""
     pdl.enter(PDL)
     entry = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -545,9 +439,6 @@ def _moe_decode_gate_up_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     e = tl.load(ids_ptr + entry).to(tl.int64)
-    if PREFETCH:
-        _prefetch_expert(dw_ptr, ds_ptr, e, pid_n * SPLIT + pid_s, tl.num_programs(1) * SPLIT, dw_bytes,
-                         dw_chunk, ds_pieces, ds_piece_bytes, ds_piece_stride, ds_stride_e)
     x_row = x_ptr + (entry // A_DIV).to(tl.int64) * stride_xm
     w_base = w_ptr + e * stride_we
     s_base = s_ptr + e * stride_se
@@ -628,35 +519,6 @@ def _scale_strides(scale: torch.Tensor, paired: bool) -> tuple[int, int, int]:
     return 0, scale.stride(0), scale.stride(1)
 
 
-def _scale_pieces(scale: torch.Tensor, paired: bool) -> tuple[int, int, int, int]:
-    """One expert's block scales as contiguous pieces: (count, bytes each, bytes between them, bytes
-    between experts). Paired `[K/64, E', N, 4]`: a piece a 64-code block; standard `[E', N, K/16]`: one."""
-    if paired:
-        return scale.shape[0], scale[0, 0].numel(), scale.stride(0), scale.stride(1)
-    return 1, scale[0].numel(), 0, scale.stride(0)
-
-
-def _down_prefetch_plan(w: MoEWeights, parts: int) -> tuple[int, int, tuple[int, int, int, int]]:
-    """What the decode path's gate_up programs prefetch of an expert's down weights, `parts` programs an
-    entry: (the expert's codes bytes, the chunk of them a program asks for (16-byte multiples; program p
-    from p * chunk, the last one short), its scales' pieces (`_scale_pieces`))."""
-    down_bytes = w.w2[0].numel()
-    return down_bytes, triton.cdiv(down_bytes, parts * 16) * 16, _scale_pieces(w.w2_scale, w.paired)  # type: ignore[arg-type]
-
-
-def _prefetch_down(w: MoEWeights, device: torch.device, entries: int, plan: tuple) -> bool:
-    """Whether gate_up prefetches the down weights: up to PREFETCH_MAX_ENTRIES, from contiguous codes and
-    scales whose addresses and sizes the bulk prefetch takes (`pdl.can_prefetch`)."""
-    down_bytes, chunk, (_, piece_bytes, piece_stride, stride_e) = plan
-    scale = w.w2_scale
-    if entries > PREFETCH_MAX_ENTRIES or scale is None:
-        return False
-    if not (w.w2.is_contiguous() and scale.is_contiguous()):
-        return False
-    addresses = (w.w2.data_ptr(), down_bytes, scale.data_ptr(), piece_stride, stride_e)
-    return pdl.can_prefetch(device, addresses, (chunk, piece_bytes))
-
-
 def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights,
                 cfg: MoEDecodeConfig) -> torch.Tensor:
     """The NVFP4 decode path: no alignment; GEMVs on CUDA cores over whole 16-code groups; combine fused."""
@@ -674,15 +536,13 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
     tiles = triton.cdiv(inter_n, block_n)
     ws = torch.empty((split, t * a, 2, inter_n), dtype=torch.float32, device=dev) if split > 1 else out
     locks = split_k_locks(dev, t * a * tiles) if split > 1 else out
-    plan = _down_prefetch_plan(w, tiles * split)
-    down_bytes, chunk, pieces = plan
     _moe_decode_gate_up_kernel[(t * a, tiles, split)](
-        h, w13, w.w13_scale, w.w13_tensor_scale, inter, ids, ws, locks, w.w2, w.w2_scale,  #
+        h, w13, w.w13_scale, w.w13_tensor_scale, inter, ids, ws, locks,  #
         t * a, inter_n, d // 16, a,  #
         h.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(w.w13_scale, w.paired),  #
-        inter.stride(0), down_bytes, chunk, *pieces,  #
+        inter.stride(0),  #
         BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, PAIRED=w.paired, INTERPRET=interpreting(),  #
-        PREFETCH=_prefetch_down(w, dev, t * a, plan), num_warps=warps, num_stages=1, **pdl.launch(dev),  #
+        num_warps=warps, num_stages=1, **pdl.launch(inter.device),  #
     )
     block_n, block_g, warps, split = cfg.down
     split = min(split, a)  # no split without a slot of its own
@@ -751,19 +611,18 @@ def moe_experts(
 
 def fused_moe(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> torch.Tensor:
     """The whole sparse MoE block (routed experts, plus the gated shared expert if stacked) on `h [T, D]`."""
-    if h.shape[0] == 1:
-        ids, route_w = route_one_row(h, w, top_k, renormalize)
-    else:
-        ids, route_w = moe_route(router_logits(h, w), w.num_experts, top_k, renormalize, w.has_shared)
+    ids, route_w = moe_route(router_logits(h, w), w.num_experts, top_k, renormalize, w.has_shared)
     return moe_experts(h, ids, route_w, w)
 
 
 def router_logits(h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """`h @ router^T` `[T, E']` bf16, as the HF router computes it. With E' not a multiple of 8 (Qwen3.6's
     257: 256 experts and the shared expert's gate) cuBLAS takes an unaligned sm_75 kernel for more than one
-    row (11.8 ms of a 16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200), so the GEMM
-    runs on the zero-padded `router_rows`, whose first E' columns are the logits (5.4 us at batch 32,
-    session 10). `fused_moe` routes one row with `route_one_row` instead."""
+    row (11.8 ms of a 16 x 1,024-token prefill pass, 6.5 us a layer at batch 32 on the H200), so more rows
+    run the GEMM on the zero-padded `router_rows`, whose first E' columns are the logits (5.4 us at batch
+    32, session 10). One row keeps cuBLAS's GEMV on the unpadded rows (3.0 us; the padded GEMM took 5.2)."""
+    if h.shape[0] == 1:
+        return h @ w.router.t()
     return (h @ w.router_rows.t())[:, : w.router.shape[0]]
 
 
@@ -811,7 +670,6 @@ def moe_experts_ref(h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w
 
 
 def fused_moe_ref(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> torch.Tensor:
-    """fp32 reference of `fused_moe` (router logits from a bf16 matmul; `fused_moe` at one row sums them
-    in fp32 in its own order and rounds once, so a near-tie may pick the other expert)."""
+    """fp32 reference of `fused_moe` (router logits from the same bf16 matmul)."""
     ids, route_w = moe_route_ref(h @ w.router.t(), w.num_experts, top_k, renormalize, w.has_shared)
     return moe_experts_ref(h, ids, route_w, w)

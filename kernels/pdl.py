@@ -7,17 +7,12 @@ then let the next kernel launch in turn. A decode step is hundreds of small laun
 instead of adding to the step. Every kernel launched with it calls `enter` before its first memory
 access, so it reads and writes nothing early; a kernel launched without it (cuBLAS, PyTorch's own) keeps
 the stream's plain order.
-
-The one thing a kernel may do before `enter` is `prefetch_l2` of bytes no kernel writes (weights): a hint
-to the L2 that moves nothing into the program and cannot change a result, so a one-row GEMV's weights
-start arriving while the kernel before it still runs.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
 
 import torch
 import triton
@@ -46,31 +41,3 @@ def enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-# The bulk prefetch's largest size: sm_90 machine code keeps it in 16-byte units in 16 bits, and a larger
-# one wraps without an error (compiled and read back from the SASS, Triton 3.9's ptxas).
-PREFETCH_MAX_BYTES = 2**20 - 16
-
-
-def can_prefetch(device: torch.device, addresses: Iterable[int], sizes: Iterable[int]) -> bool:
-    """Whether a kernel on `device` may `prefetch_l2` these: launched with PDL (so compiled, on Hopper or
-    later), every address 16-byte aligned, every size a multiple of 16 in 16..PREFETCH_MAX_BYTES."""
-    return (
-        launch(device)["PDL"]
-        and all(a % 16 == 0 for a in addresses)
-        and all(n % 16 == 0 and 0 < n <= PREFETCH_MAX_BYTES for n in sizes)
-    )
-
-
-@triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Ask the L2 for `nbytes` of global memory from `ptr` (a scalar pointer, 16-byte aligned; `nbytes` a
-    multiple of 16 in 16..PREFETCH_MAX_BYTES, as `can_prefetch` checks on the host): one bulk prefetch
-    (`cp.async.bulk.prefetch.L2`, sm_90) a program, issued by its thread 0. Compiled code only: callers
-    guard it with a constexpr that is off under the interpreter."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )

@@ -142,17 +142,3 @@ def test_matches_reference_real_shapes(m, n, k):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     fp8_gemm(x, w, out=out)
     _check(out, fp8_gemm_ref(x, w), tol=5e-3, exact_weights=m <= FUSED_MAX_M)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("n", "k"), [(8192, 2048), (2048, 4096)])
-def test_gemv_prefetch_changes_no_output(n, k, monkeypatch):
-    """Under PDL each GEMV program prefetches its weight rows into the L2 before its wait: a hint, so the
-    output is bit for bit the one without it (split-K included: 2048 x 4096 splits K)."""
-    from batchinfer.kernels import fp8_gemm as module
-
-    x, w = _case(1, n, k, seed=n + k)
-    assert module._prefetchable(w.data, 16 * module.fp8_gemv_config().block_g)  # on, at these shapes
-    with_prefetch = fp8_gemm(x, w)
-    monkeypatch.setattr(module, "_prefetchable", lambda data, block_k: False)
-    assert torch.equal(with_prefetch, fp8_gemm(x, w))

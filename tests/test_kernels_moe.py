@@ -83,25 +83,6 @@ def test_route_matches_reference(shared, renorm):
         torch.testing.assert_close(w[:, :4].sum(1), torch.ones(6, device=DEVICE))
 
 
-@pytest.mark.parametrize(
-    ("experts", "shared", "renorm"), [(21, True, True), (24, False, False), (257, True, True)]
-)
-def test_one_row_router_and_route_in_one_launch(experts, shared, renorm):
-    """One row's router logits and routing in one launch (`route_one_row`, what `fused_moe` runs at one
-    row): the same experts and weights as the router's bf16 product routed by `moe_route`, with E' not a
-    multiple of the kernel's 8-row tiles (21, 257); twice in a row, so its counter is reset."""
-    w = _weights(experts - shared, 64, 32, False, shared, seed=experts)
-    for seed in (1, 2):
-        h = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
-        ids, weights = moe.route_one_row(h, w, 4, renorm)
-        logits = (h.float() @ w.router.float().t()).bfloat16()  # fp32 sums rounded once, as the kernel
-        ids_ref, weights_ref = moe_route(logits, experts - shared, 4, renorm, shared)
-        assert torch.equal(ids, ids_ref)  # a GPU sums in another order: a logit may round one bf16 step off
-        torch.testing.assert_close(weights, weights_ref, rtol=1e-2, atol=1e-3)
-    with pytest.raises(ValueError, match="h: expected bfloat16 \\[1, 64\\]"):
-        moe.route_one_row(h.expand(2, 64), w, 4, renorm)
-
-
 def _route(t: int, a: int, experts: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts, generator=g)[:a] for _ in range(t)]).int().to(DEVICE)
@@ -294,9 +275,9 @@ def test_decode_path_under_cuda_graph(t, e, d, i, shared):
 
 @pytest.mark.parametrize("experts", [257, 128])
 def test_router_logits_run_as_an_aligned_gemm(experts):
-    """A stacked router of E' rows is the head of a zeroed buffer of E' rounded up to 8 rows; the logits
-    come from that aligned GEMM (cuBLAS's aligned kernels), rows 16-byte aligned, the same values as the
-    plain product."""
+    """A stacked router of E' rows is the head of a zeroed buffer of E' rounded up to 8 rows; the logits of
+    more than one row come from that aligned GEMM (cuBLAS's aligned kernels), rows 16-byte aligned, the same
+    values as the plain product; one row takes the plain product."""
     g = torch.Generator().manual_seed(experts)
     h = torch.randn(37, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     dense = torch.randn(16, 64, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -309,66 +290,4 @@ def test_router_logits_run_as_an_aligned_gemm(experts):
     logits = router_logits(h, w)
     assert logits.shape == (37, experts) and logits.stride(1) == 1 and logits.stride(0) * 2 % 16 == 0
     assert _rel(logits, h @ router.t()) < 1e-2  # another cuBLAS kernel on the GPU: same values up to order
-
-
-@pytest.mark.parametrize("paired", [False, True])
-def test_down_prefetch_pieces_are_exactly_one_experts_scales(paired):
-    """The decode path's gate_up kernel asks the L2 for its expert's down weights (`_prefetch_expert`): the
-    scale pieces `_scale_pieces` names for expert e are the bytes holding e's block scales, in both
-    layouts, and nothing else; the codes are the expert's contiguous slice."""
-    from batchinfer.kernels.moe_tc import pair_scales
-
-    e_count, d, i = 5, 32, 128  # K = i a multiple of 64: no padding in the paired layout
-    scale = (torch.arange(e_count, dtype=torch.uint8) + 1).view(-1, 1, 1).expand(e_count, d, i // 16)
-    scale = pair_scales(scale.contiguous()) if paired else scale.contiguous()
-    pieces, piece_bytes, piece_stride, stride_e = moe._scale_pieces(scale, paired)
-    flat = scale.reshape(-1)
-    for e in range(e_count):
-        covered = torch.zeros_like(flat, dtype=torch.bool)
-        for p in range(pieces):
-            start = e * stride_e + p * piece_stride
-            covered[start : start + piece_bytes] = True
-        assert torch.equal(covered, flat == e + 1), e
-
-
-@pytest.mark.parametrize(("down_bytes", "parts"), [(2048 * 256, 64), (2048 * 384, 24), (4096, 7), (48, 64)])
-def test_down_prefetch_chunks_cover_the_codes_once(down_bytes, parts):
-    """Program p of an entry's `parts` asks for `chunk` bytes of the expert's codes from p * chunk, the last
-    one short, none past the end (`_prefetch_expert`): together every byte once, in 16-byte multiples."""
-    w = _weights(2, 32, 32, True, False, seed=1)
-    w = dataclasses.replace(w, w2=torch.zeros(2, down_bytes, dtype=torch.uint8))
-    assert moe._down_prefetch_plan(w, parts)[0] == down_bytes
-    chunk = moe._down_prefetch_plan(w, parts)[1]
-    sizes = [min(chunk, down_bytes - p * chunk) for p in range(parts) if p * chunk < down_bytes]
-    assert chunk % 16 == 0 and all(n > 0 and n % 16 == 0 for n in sizes) and sum(sizes) == down_bytes
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
-def test_decode_path_prefetch_changes_no_output(t, e, d, i, shared, monkeypatch):
-    """Up to PREFETCH_MAX_ENTRIES the gate_up kernel prefetches the down weights into the L2 (under PDL,
-    in the engine's paired layout): a hint, so the outputs are bit for bit those without it."""
-    from batchinfer.kernels.moe_tc import pair_moe_weights
-
-    w = pair_moe_weights(_weights(e, d, i, True, shared, seed=11 * t + e))
-    h = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
-    ids, route_w = moe_route(router_logits(h, w), e, 8, True, shared)
-    assert moe._prefetch_down(w, h.device, ids.numel(), moe._down_prefetch_plan(w, 64))  # on, at this size
-    with_prefetch = moe_experts(h, ids, route_w, w)
-    monkeypatch.setattr(moe, "PREFETCH_MAX_ENTRIES", 0)
-    assert torch.equal(with_prefetch, moe_experts(h, ids, route_w, w))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
-def test_one_row_router_prefetch_changes_no_output(e, d, i, shared, monkeypatch):
-    """Under PDL the router's programs prefetch their rows before the wait: a hint, so the routing is bit
-    for bit the one without it."""
-    w = _weights(e, d, i, False, shared, seed=e)
-    h = torch.randn(1, d, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
-    assert moe._prefetch_router(w.router)
-    with_prefetch = moe.route_one_row(h, w, 8, True)
-    monkeypatch.setattr(moe, "_prefetch_router", lambda router: False)
-    plain = moe.route_one_row(h, w, 8, True)
-    assert all(torch.equal(a, b) for a, b in zip(with_prefetch, plain, strict=True))
+    assert torch.equal(router_logits(h[:1], w), h[:1] @ router.t())

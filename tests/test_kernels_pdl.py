@@ -27,5 +27,3 @@ def test_the_compile_report_finds_a_memory_access_before_the_wait():
     assert pdl_order(sass("ACQBULK", "PREEXIT", "LDS R1, [R2]", "STG.E desc[UR4][R2.64], R1"), True) == (
         "wait first"  # shared memory is not global
     )
-    prefetch = "@!UP0 UBLKPF.L2 [UR8], UR7"  # `pdl.prefetch_l2`: weights asked of the L2, nothing loaded
-    assert pdl_order(sass(prefetch, "ACQBULK", "PREEXIT", "LDG.E R2, desc[UR4][R2.64]"), True) == "wait first"

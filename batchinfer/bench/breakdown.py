@@ -22,7 +22,7 @@ from batchinfer.engine.kernel_model import KernelModel
 
 # Kernel-name patterns -> group, first match wins (Triton kernels keep their Python names).
 GROUPS = (
-    ("moe route + align", r"moe_route|router_route|moe_align|_align"),  # one row: the router's GEMV too
+    ("moe route + align", r"moe_route|moe_align|_align"),
     ("moe experts", r"moe|dequant"),
     ("attention", r"attn|attention|decode_combine"),
     ("q/k norm + rope", r"qk_norm_rope"),

@@ -11,8 +11,7 @@ until session 12, because a zero-trip loop defined the accumulators outside the 
 timing: it answers "does it compile for Hopper, does it spill, does it use wgmma / cp.async, are its
 wgmmas pipelined" before a GPU is available.
 The PDL column checks that a kernel launched with programmatic dependent launch (`kernels/pdl.py`)
-waits for the kernel before it ahead of any global memory access (an L2 prefetch of weights, `UBLKPF`,
-may come first).
+waits for the kernel before it ahead of any global memory access.
 Run `python -m batchinfer.bench.sm90_report` (with TRITON_INTERPRET unset); exit status 1 when a
 kernel fails to compile, spills more than `--max-spill` bytes or, launched with PDL, touches memory
 before its wait or never waits.
@@ -73,7 +72,7 @@ _PTR_TYPES = {
     torch.uint8: "*u8",
     torch.float8_e4m3fn: "*fp8e4nv",
 }
-_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL", "UBLKPF")
+_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
 
 
 def _capture(kernel: triton.JITFunction, launch: Callable[[], Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -152,10 +151,9 @@ def wgmma_serialized(ptx: str) -> str:
 def pdl_order(sass: str, launch_pdl: bool) -> str:
     """Under programmatic dependent launch a kernel may start before the one it depends on has finished,
     so every program must wait (`griddepcontrol.wait`, SASS `ACQBULK`) before its first global memory
-    access, and trigger the next launch (`PREEXIT`); a bulk L2 prefetch of weights (`UBLKPF`,
-    `pdl.prefetch_l2`) may come first, as it moves nothing into the program. From the machine code: "wait
-    first" when it does, "LATE" when an access comes first, "NO WAIT" when a kernel launched with it never
-    waits (both races), "" for a plain launch without a wait."""
+    access, and trigger the next launch (`PREEXIT`). From the machine code: "wait first" when it does,
+    "LATE" when an access comes first, "NO WAIT" when a kernel launched with it never waits (both races),
+    "" for a plain launch without a wait."""
     code = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
     wait = next((i for i, ins in enumerate(code) if re.search(r"\bACQBULK\b", ins)), None)
     if wait is None:
@@ -349,12 +347,8 @@ def _moe_launches() -> Iterator[tuple]:
     ids = lambda t: (torch.arange(t * 9) % E).int().view(t, 9)
     route = lambda: moe.moe_route(_t(1, E), E - 1, 8, True, True)
     yield "T=1, 256 experts + shared", moe._moe_route_kernel, route
-    one_row = lambda: moe.route_one_row(_t(1, D), w, 8, True)
-    yield "T=1, 256 experts + shared", moe._router_route_kernel, one_row
     run = lambda t, cfg: moe.moe_experts(_t(t, D), ids(t), torch.rand(t, 9), w, config=cfg)
     decode = lambda: run(8, moe._decode_config(72))
-    one = lambda: run(1, moe._decode_config(9))  # prefetches the down weights for the down kernel
-    yield "T=1 paired", moe._moe_decode_gate_up_kernel, one
     yield "T=8 paired", moe._moe_decode_gate_up_kernel, decode
     yield "T=8 paired", moe._moe_decode_down_kernel, decode
     tc = moe.tc_config(16)
