@@ -379,6 +379,31 @@ def test_prefill_out_of_memory_is_split_and_retried(monkeypatch, caplog):
     assert "ran out of GPU memory; retrying" in caplog.text
 
 
+def test_a_pass_that_runs_out_of_memory_lowers_the_budget_of_later_passes(monkeypatch, caplog):
+    """Four slots, eight 6-token prompts, a 24-token budget where more than 12 tokens a pass fail: the first
+    pass (four prompts) fails once and is split; every later pass is planned within 12 tokens, so no
+    other pass fails, and the outputs are those of a generator that never ran out."""
+    cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
+    prompts = _random_prompts(cfg.vocab_size, [6] * 8, seed=5)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True)] * 8
+    expected = FastGenerator(km, max_slots=4).generate(prompts, params)
+    gen = FastGenerator(km, max_slots=4, prefill_tokens=24)
+    real, passes = gen._prefill_pass, []
+
+    def at_most_12(pieces):
+        passes.append(sum(n for _, n in pieces))
+        if passes[-1] > 12:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(pieces)
+
+    monkeypatch.setattr(gen, "_prefill_pass", at_most_12)
+    outs = gen.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert passes[0] == 24 and all(n <= 12 for n in passes[1:]) and len(passes) > 3
+    assert gen.prefill_tokens == 12
+    assert "prefill passes now hold at most 12 tokens (was 24)" in caplog.text
+
+
 def test_chunked_prefill_out_of_memory_restores_the_state(monkeypatch, caplog):
     """A pass with a later piece of a chunked prompt that fails after touching the DeltaNet state (as a
     real out-of-memory part-way through the layers would; here it leaves NaN) is retried from the state

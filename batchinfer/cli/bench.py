@@ -209,12 +209,12 @@ def breakdown_cmd(
 )
 @click.option(
     "--prefill-tokens",
-    default=(16384,),  # engine.fast.PREFILL_TOKENS (not imported: --help stays free of torch)
+    default=(65536,),  # engine.fast.PREFILL_TOKENS (not imported: --help stays free of torch)
     multiple=True,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Fast engine: prompt tokens a prefill pass (32768 ran prefill-bound `extract` 9% faster on the "
-    "H200, docs/PERF.md session 18).",
+    help="Fast engine: prompt tokens a prefill pass, halved for the rest of the run after a pass runs out "
+    "of memory (on the H200 65536 beat 16384 and 32768 on `offline` and `extract`, docs/PERF.md session 21).",
 )
 @click.option(
     "--refill-fraction",
@@ -328,7 +328,7 @@ def run(
     if bf16_experts and engine_name != "fast":
         raise click.UsageError("--bf16-experts applies to the fast engine (--engine fast)")
     schedule = (max_slots, prefill_tokens, refill_fraction, prefill_graph_tokens)
-    if schedule != ((1024,), (16384,), (0.125,), 2048) and engine_name != "fast":
+    if schedule != ((1024,), (65536,), (0.125,), 2048) and engine_name != "fast":
         raise click.UsageError(
             "--max-slots, --prefill-tokens, --refill-fraction and --prefill-graph-tokens apply to the fast "
             "engine (--engine fast)"

@@ -3,7 +3,8 @@
 All requests are known up front (offline). Each running sequence owns a slot of the state pools
 (`KernelModel.new_state`), sized from free GPU memory and the longest prompt + max_tokens. Requests wait
 longest-output-first; whenever `refill_fraction` of the slots are free (or every waiting prompt fits),
-waiting prompts are prefilled together (packed, up to `prefill_tokens` tokens a pass) and join the decode
+waiting prompts are prefilled together (packed, up to `prefill_tokens` tokens a pass; halved for good after
+a pass runs out of memory) and join the decode
 batch, which then runs one token per running sequence per step. The two set the split between prefill
 passes and decode steps (`bench run --prefill-tokens/--refill-fraction` measures it). A prompt longer
 than a pass is prefilled in pieces (chunked prefill: each piece continues the slot's KV cache and
@@ -44,7 +45,11 @@ log = logging.getLogger(__name__)
 # tok/s: longer steps, each reading the weights once for more tokens. Not yet measured on the fp32 state
 # or on `extract`.
 MAX_SLOTS = 1024
-PREFILL_TOKENS = 16384  # prompt tokens per prefill pass
+# Prompt tokens a prefill pass (lowered for the generator's life after a pass runs out of memory). On the
+# H200 (session 21, whole workloads, Qwen3.6): `offline` on the fp32 state 9,187 / 9,478 / 9,619 output
+# tok/s at 16,384 / 32,768 / 65,536; `extract` with `bf16_experts` 69,313 / 71,365 total at 32,768 /
+# 65,536. Longer passes read each layer's experts once for more tokens.
+PREFILL_TOKENS = 65536
 REFILL_FRACTION = 0.125  # waiting prompts are prefilled once this fraction of the slots is free
 MEMORY_RESERVE = 0.1  # of total GPU memory kept free for activations and the graphs' pool
 # A lone fresh prompt up to this long is prefilled by a CUDA graph: `single`'s time to first token on the
@@ -326,8 +331,10 @@ class FastGenerator:
     def _prefill(self, pieces: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int | None]]:
         """Prefill the pieces (slots assigned); per piece `(seq, tokens prefilled, first output token or
         None while its prompt is unfinished)`. On out-of-memory, splits the pass and retries, down to
-        halving a single piece. Later pieces of chunked prompts get their slots' DeltaNet state back
-        before the retry (the failed pass may have advanced it in some layers)."""
+        halving a single piece, and later passes hold at most half the failed pass's tokens (so a budget
+        too large for this GPU costs one failure, not one a pass). Later pieces of chunked prompts get
+        their slots' DeltaNet state back before the retry (the failed pass may have advanced it in some
+        layers)."""
         later = [s.slot for s, _ in pieces if s.prefilled]
         saved = None
         try:
@@ -340,6 +347,10 @@ class FastGenerator:
                 raise
         # Retried out here, once the error (and with its traceback the failed pass's activations) is gone.
         torch.cuda.empty_cache()
+        fits = max(1, sum(n for _, n in pieces) // 2)
+        if fits < self.prefill_tokens:
+            log.warning("prefill passes now hold at most %d tokens (was %d)", fits, self.prefill_tokens)
+            self.prefill_tokens = fits
         if len(pieces) > 1:
             half = len(pieces) // 2
             log.warning(
