@@ -58,7 +58,8 @@ GDN_PREFILL = [(bv, w) for bv in (8, 16, 32) for w in (1, 2, 4)]
 # stages of the sequential launch, warps of the other four). BLOCK_V sets the sequential launch's programs
 # (sequences x 32 v-heads x 128 / BLOCK_V; sm_90 compile: one CTA an SM at 3 stages, two at 2), so it is
 # timed at the engine's pass shapes: one 512-token prompt (`single`'s TTFT), 16 x 1,024 and 8 x 2,048
-# (16,384-token passes: `offline`, `extract`). The warps of the scores, inverse and W/U launches trade
+# (16,384-token passes, the default before session 21) and 32 x 2,048 (65,536 tokens, the default since:
+# `offline`, `extract`). The warps of the scores, inverse and W/U launches trade
 # registers (CTAs an SM) against instructions (session 17's compile report).
 GDN_CHUNK = [
     {"BLOCK_V": 16, "num_warps": 4},
@@ -75,7 +76,7 @@ GDN_CHUNK = [
     {"out_warps": 4},
     {"BT": 32, "BLOCK_V": 32, "num_warps": 4},
 ]
-GDN_CHUNK_PASSES = [(1, 512), (16, 1024), (8, 2048)]  # sequences x tokens
+GDN_CHUNK_PASSES = [(1, 512), (16, 1024), (8, 2048), (32, 2048)]  # sequences x tokens
 # The prefill conv1d: BLOCK_T, BLOCK_C, warps (sm_90 compile: 210 registers at the table's 32, 256 on 4
 # warps, 128 on 8; in an 8 x 2,048-token pass it moved its bytes at ~41% of copy bandwidth, session 13).
 CONV = [(32, 256, 8), (16, 256, 4), (16, 256, 8), (64, 256, 8), (32, 128, 4), (64, 128, 8), (16, 512, 8)]
