@@ -3,10 +3,10 @@
 All requests are known up front (offline). Each running sequence owns a slot of the state pools
 (`KernelModel.new_state`), sized from free GPU memory and the longest prompt + max_tokens. Requests wait
 longest-output-first; whenever `refill_fraction` of the slots are free (or every waiting prompt fits),
-waiting prompts are prefilled together (packed, up to `prefill_tokens` tokens a pass; halved for good after
-a pass runs out of memory) and join the decode
-batch, which then runs one token per running sequence per step. The two set the split between prefill
-passes and decode steps (`bench run --prefill-tokens/--refill-fraction` measures it). A prompt longer
+waiting prompts are prefilled together (packed, up to `prefill_tokens` tokens a pass; after a pass runs
+out of memory, at most half its tokens) and join the decode batch, which then runs one token per running
+sequence per step. The two set the split between prefill passes and decode steps (`bench run
+--prefill-tokens/--refill-fraction` measures it). A prompt longer
 than a pass is prefilled in pieces (chunked prefill: each piece continues the slot's KV cache and
 DeltaNet state), one pass between decode steps, so a long prompt does not stall the running batch.
 A decode step is a CUDA graph replay for the smallest captured batch-size bucket >= the running count
