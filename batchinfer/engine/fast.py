@@ -6,9 +6,9 @@ longest-output-first; whenever `refill_fraction` of the slots are free (or every
 waiting prompts are prefilled together (packed, up to `prefill_tokens` tokens a pass; after a pass runs
 out of memory, at most half its tokens) and join the decode batch, which then runs one token per running
 sequence per step. The two set the split between prefill passes and decode steps (`bench run
---prefill-tokens/--refill-fraction` measures it). A prompt longer
-than a pass is prefilled in pieces (chunked prefill: each piece continues the slot's KV cache and
-DeltaNet state), one pass between decode steps, so a long prompt does not stall the running batch.
+--prefill-tokens/--refill-fraction` measures it). A prompt longer than a pass is prefilled in pieces
+(chunked prefill: each piece continues the slot's KV cache and DeltaNet state), one pass between decode
+steps, so a long prompt does not stall the running batch.
 A decode step is a CUDA graph replay for the smallest captured batch-size bucket >= the running count
 (padding rows have slot and position -1: no state traffic, nothing attended), then greedy argmax or the
 fused sampler on the GPU; the sampled ids stay on the device as the next step's input. Their copy to
