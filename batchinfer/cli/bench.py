@@ -214,7 +214,8 @@ def breakdown_cmd(
     show_default=True,
     type=click.IntRange(min=1),
     help="Fast engine: prompt tokens a prefill pass, halved for the rest of the run after a pass runs out "
-    "of memory (on the H200 65536 beat 16384 and 32768 on `offline` and `extract`, docs/PERF.md session 21).",
+    "of memory (on the H200 65536 beat 16384 and 32768 on `offline`, and 32768 on `extract` with "
+    "--bf16-experts, docs/PERF.md session 21).",
 )
 @click.option(
     "--refill-fraction",

@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 # Decode batch cap (free memory caps it too). Qwen3.6 `offline`, whole workload, fp16 DeltaNet state on
 # the H200 (session 16): 512 -> 1024 (918 fitted, mean batch 415.6 -> 667.5) took 9,828 to 10,715 output
-# tok/s: longer steps, each reading the weights once for more tokens. Not yet measured on the fp32 state
-# or on `extract`.
+# tok/s: longer steps, each reading the weights once for more tokens. On the fp32 state free memory caps it
+# first (804 slots on the H200, session 21); not measured on `extract`.
 MAX_SLOTS = 1024
 # Prompt tokens a prefill pass (lowered for the generator's life after a pass runs out of memory). On the
 # H200 (session 21, whole workloads, Qwen3.6): `offline` on the fp32 state 9,187 / 9,478 / 9,619 output
