@@ -80,12 +80,10 @@ class ShardResult:
     rows: int = 0
     errors: int = 0
     skipped: int = 0
-    output_tokens: int = 0
-    seconds: float = 0.0
 
     def add(self, stats: dict[str, Any]) -> None:
         self.chunks += 1
-        for key in ("rows", "errors", "skipped", "output_tokens", "seconds"):
+        for key in ("rows", "errors", "skipped"):
             setattr(self, key, getattr(self, key) + stats[key])
 
 

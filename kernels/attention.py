@@ -18,7 +18,7 @@ interleaved `[T, H, 2 * Dh]` output):
   conversion a pair, with its queries, which after q_norm sit far inside fp16's range; chunked prefill
   to bf16), multiply each score by its key's scale and each probability by its value's scale (in decode
   relative to the tile's largest) before the PV dot.
-Numerics: fp32 accumulation and softmax (exp2 with the scale folded in), bf16 tensor-core dots; the
+Numerics: fp32 accumulation and softmax (exp2 with the scale, Dh**-0.5, folded in), bf16 tensor-core dots; the
 output gate of Qwen3.5 (`o * sigmoid(gate)`) is fused into the epilogue. Expected error vs `*_ref`:
 ~3e-3 relative (bf16 probabilities into the PV dot). GPU: sm_90, Triton's wgmma path; GQA group of 8
 query heads (16/2 and 32/4) shares each K/V tile in decode.
@@ -27,7 +27,6 @@ query heads (16/2 and 32/4) shares each K/V tile in decode.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -40,11 +39,13 @@ _LOG2E = 1.4426950408889634
 
 
 def _interpreted() -> bool:
-    return "PYTEST_VERSION" in os.environ or os.environ.get("TRITON_INTERPRET") == "1"
+    """Small tiles under the Triton interpreter; CPU tests patch this to run the production tiles there.
+    (GPU tests run the production tiles, as the engine does.)"""
+    return interpreting()
 
 
 def _prefill_configs(head_dim: int, fp8: bool = False) -> dict[str, int]:
-    """Tiles per head dim; one small tile under the interpreter/pytest.
+    """Tiles per head dim; one small tile under the interpreter.
 
     Measured 2026-11-30 at 4k tokens: Dh=128 with 128x64 on 8 warps, 384 TFLOP/s (56% of cuBLAS);
     Dh=256 with 64x64 on 4 warps, 222 TFLOP/s (32%). The sm_90 compile report
@@ -304,7 +305,7 @@ def _check_heads(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-    gate: torch.Tensor | None = None, scale: float | None = None, config: dict[str, int] | None = None,
+    gate: torch.Tensor | None = None, config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over packed sequences; returns `[T, H, Dh]` (times sigmoid(gate) if given).
 
@@ -315,13 +316,12 @@ def prefill_attention(
     Hkv = k.shape[1]
     for name, t, shape in (("k", k, (T, Hkv, Dh)), ("v", v, (T, Hkv, Dh))):
         _check_heads(name, t, shape)
-    return _launch_prefill(q, k, v, cu_seqlens, None, None, max_seqlen, gate, scale, config, (False, k, k))
+    return _launch_prefill(q, k, v, cu_seqlens, None, None, max_seqlen, gate, config, (False, k, k))
 
 
 def prefill_attention_cached(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
     slot_ids: torch.Tensor, past: torch.Tensor, max_seqlen: int, gate: torch.Tensor | None = None,
-    scale: float | None = None, config: dict[str, int] | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked prefill: packed query chunks `q [T, H, Dh]` (`cu_seqlens`), chunk n continuing the sequence
@@ -337,14 +337,13 @@ def prefill_attention_cached(
         if t.shape != (N,) or t.dtype != torch.int32:
             raise ValueError(f"{name}: expected int32 [{N}] (one per chunk), got {t.dtype} {tuple(t.shape)}")
     scales = cache_scales(k_cache, v_cache, k_scale, v_scale)
-    return _launch_prefill(q, k_cache, v_cache, cu_seqlens, slot_ids, past, max_seqlen, gate, scale, config,
-                           scales)
+    return _launch_prefill(q, k_cache, v_cache, cu_seqlens, slot_ids, past, max_seqlen, gate, None, scales)
 
 
 def _launch_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     slot_ids: torch.Tensor | None, past: torch.Tensor | None, max_seqlen: int, gate: torch.Tensor | None,
-    scale: float | None, config: dict[str, int] | None, scales: tuple[bool, torch.Tensor, torch.Tensor],
+    config: dict[str, int] | None, scales: tuple[bool, torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """`k, v`: packed `[T, Hkv, Dh]`, or the cache `[slots, Hkv, max_len, Dh]` when `slot_ids` is given;
     `scales`: (FP8?, k scales, v scales) from `kv_cache.cache_scales`."""
@@ -368,7 +367,7 @@ def _launch_prefill(
     _prefill_attn_kernel[grid](
         q, k, v, k_sc, v_sc, g, o, cu_seqlens,
         slot_ids if cached else cu_seqlens, past if cached else cu_seqlens,
-        H, H // Hkv, (scale if scale is not None else Dh**-0.5) * _LOG2E,
+        H, H // Hkv, Dh**-0.5 * _LOG2E,
         q.stride(0), q.stride(1), *ks, *vs, k_sc.stride(0), k_sc.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
         HEAD_DIM=Dh, HAS_GATE=gate is not None, CACHED=cached, FP8=fp8, INTERPRET=interpreting(), **cfg,
@@ -379,7 +378,7 @@ def _launch_prefill(
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
     seq_lens: torch.Tensor, max_seqlen: int | None = None, gate: torch.Tensor | None = None,
-    scale: float | None = None, config: dict[str, int] | None = None,
+    config: dict[str, int] | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per row: q `[B, H, Dh]` over its slot's first `seq_lens[b]` cached tokens (an FP8
@@ -414,7 +413,7 @@ def decode_attention(
     g = gate if gate is not None else o
     _decode_attn_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, k_sc, v_sc, slot_ids, seq_lens, g, o, part_o, part_lse,
-        H // Hkv, split_len, (scale if scale is not None else Dh**-0.5) * _LOG2E,
+        H // Hkv, split_len, Dh**-0.5 * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_sc.stride(0), k_sc.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
@@ -432,11 +431,11 @@ def decode_attention(
 
 def prefill_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-    gate: torch.Tensor | None = None, scale: float | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 causal softmax attention per sequence (GQA by repeating kv heads); `[T, H, Dh]`."""
     H, Dh = q.shape[1], q.shape[2]
-    scale = scale if scale is not None else Dh**-0.5
+    scale = Dh**-0.5
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     bounds = cu_seqlens.tolist()
     for s, e in zip(bounds[:-1], bounds[1:], strict=True):
@@ -452,14 +451,14 @@ def prefill_attention_ref(
 
 def decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-    seq_lens: torch.Tensor, gate: torch.Tensor | None = None, scale: float | None = None,
+    seq_lens: torch.Tensor, gate: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 reference of `decode_attention`: row b attends to `cache[slot_ids[b], :, :seq_lens[b]]` (an FP8
     cache dequantized with its scales first)."""
     k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
     B, H, Dh = q.shape
-    scale = scale if scale is not None else Dh**-0.5
+    scale = Dh**-0.5
     out = torch.zeros((B, H, Dh), dtype=torch.float32, device=q.device)
     for b in range(B):
         n, slot = int(seq_lens[b]), int(slot_ids[b])

@@ -10,8 +10,6 @@ GPU assumptions: none beyond Triton; these are bandwidth-bound row kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +20,7 @@ from batchinfer.kernels.nvfp4_gemm import bf16_rne, interpreting
 def _row_configs(d: int) -> dict[str, int]:
     """Block and warps for a row kernel of width d (one program per row, whole row in registers)."""
     block = triton.next_power_of_2(d)
-    if "PYTEST_VERSION" in os.environ or os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return {"BLOCK_D": block, "num_warps": 1}
     return {"BLOCK_D": block, "num_warps": 4 if block <= 2048 else 8}
 

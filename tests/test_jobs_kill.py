@@ -107,7 +107,7 @@ def test_stop_signal_commits_chunk_and_exits_for_requeue(tmp_path, sig):
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 75, err
-    assert "stopped on request" in err
+    assert f"stopped by {sig.name}" in err
     rows, distinct = _counts(out)
     assert rows == distinct and rows % 10 == 0 and 10 <= rows < ROWS  # whole chunks only
     assert not list(out.rglob(".*.tmp-*"))

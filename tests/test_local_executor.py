@@ -126,7 +126,7 @@ def test_usr2_stops_every_worker_at_a_chunk_boundary_and_a_rerun_finishes(tmp_pa
     proc.send_signal(signal.SIGUSR2)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 75, err  # EXIT_STOPPED: rerun to continue
-    assert err.count("stopped on request") == 2, err
+    assert err.count("stopped by SIGUSR2") == 2, err
     left = attempts.incomplete_shards(plan)
     assert left, err
     assert f"{len(left)} shards are not done yet" in err

@@ -410,13 +410,12 @@ def build_models(
 def run_images_benchmark(
     model: Sam3Model, reference: Sam3Model, workload: ImageWorkload, device: torch.device, *,
     threshold: float = DEFAULT_SCORE_THRESHOLD, batch_size: int = 16, lock_images: int = 4,
-    warmup_images: int | None = None, peer: Callable[[], Any] | None = None, peer_images: int | None = None,
+    peer: Callable[[], Any] | None = None, peer_images: int | None = None,
     info: dict[str, str] | None = None, breakdown: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The result document: our end-to-end figures, the lock, the time split (with `breakdown`, also the
     per-kernel profile of one batch), then the peer (built by `peer()` only now, after our figures; its
-    failure is recorded as `peer_error`). The warm-up runs one batch of images (`warmup_images`, default
-    `batch_size`) untimed first."""
+    failure is recorded as `peer_error`). The warm-up runs one batch of images untimed first."""
     from batchinfer.sam3.fp8 import FP8Linear
 
     encoded = encode_png(workload.images)
@@ -431,7 +430,7 @@ def run_images_benchmark(
     }
     engine = SegmenterEngine(model, facts, batch_size=batch_size)
     with tempfile.TemporaryDirectory() as tmp:
-        warm = min(batch_size if warmup_images is None else warmup_images, len(encoded))
+        warm = min(batch_size, len(encoded))
         if warm:
             run_end_to_end(engine, encoded[:warm], workload.prompts[:warm], threshold, Path(tmp, "w"), device)
         figures = run_end_to_end(

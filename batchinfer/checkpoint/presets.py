@@ -29,7 +29,7 @@ from batchinfer.checkpoint.loader import Weight, model_config_from_hf
 from batchinfer.checkpoint.quant_config import NVFP4
 from batchinfer.checkpoint.quantize import quantize_weight, scheme_format
 from batchinfer.checkpoint.tokenizer_files import BUILTIN_CORPUS, build_tokenizer, builtin_special_ids
-from batchinfer.checkpoint.writer import DEFAULT_SHARD_BYTES, save_checkpoint, to_hf_checkpoint
+from batchinfer.checkpoint.writer import save_checkpoint, to_hf_checkpoint
 from batchinfer.errors import ConfigError
 from batchinfer.kernels.nvfp4 import quantize_nvfp4_stack
 from batchinfer.models.config import ModelConfig
@@ -251,12 +251,11 @@ def write_preset(
     quant: str = "bf16",
     seed: int = 0,
     device: str = "cpu",
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write a complete HF checkpoint folder for `preset`: configs, safetensors and tokenizer files."""
     raw = preset_config(preset)
     cfg = model_config_from_hf(raw, source=f"preset {preset}")
     weights = random_weights(cfg, seed=seed, device=device, scheme=quant)
-    out = save_checkpoint(out_dir, raw, weights, max_shard_bytes=max_shard_bytes)
+    out = save_checkpoint(out_dir, raw, weights)
     build_tokenizer(BUILTIN_CORPUS, cfg.vocab_size, out)
     return out

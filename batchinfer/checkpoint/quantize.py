@@ -27,7 +27,7 @@ from batchinfer.checkpoint.quant_config import (
     read_quant_config,
 )
 from batchinfer.checkpoint.safetensors_io import INDEX_FILE
-from batchinfer.checkpoint.writer import DEFAULT_SHARD_BYTES, save_checkpoint
+from batchinfer.checkpoint.writer import save_checkpoint
 from batchinfer.errors import CheckpointError
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
 from batchinfer.models.config import ModelConfig
@@ -83,7 +83,6 @@ def quantize_checkpoint(
     *,
     scheme: str,
     device: str = "cpu",
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     method: str = MODELOPT,
 ) -> Path:
     """Quantize the unquantized HF checkpoint `src` into `dst` (see the module doc for the schemes), in
@@ -115,14 +114,12 @@ def quantize_checkpoint(
         counts["NVFP4"],
         counts["FP8"],
     )
-    save_checkpoint(dst, raw, weights, max_shard_bytes=max_shard_bytes, method=method)
+    save_checkpoint(dst, raw, weights, method=method)
     _copy_side_files(src, dst)
     return dst
 
 
-def convert_to_compressed_tensors(
-    src: str | Path, dst: str | Path, *, device: str = "cpu", max_shard_bytes: int = DEFAULT_SHARD_BYTES
-) -> Path:
+def convert_to_compressed_tensors(src: str | Path, dst: str | Path, *, device: str = "cpu") -> Path:
     """Rewrite a ModelOpt NVFP4 checkpoint as compressed-tensors `nvfp4-pack-quantized`: same codes and
     block scales, `weight_packed` names, and the tensor scale stored inverted as `weight_global_scale`.
     FP8 linears (the `mixed` scheme) have no place in that format and are an error."""
@@ -134,6 +131,6 @@ def convert_to_compressed_tensors(
             f"{src}: expected a ModelOpt-quantized checkpoint, found {qc.method if qc else 'none'}"
         )
     _, weights = load_checkpoint(src, device=device)
-    save_checkpoint(dst, raw, weights, max_shard_bytes=max_shard_bytes, method=COMPRESSED_TENSORS)
+    save_checkpoint(dst, raw, weights, method=COMPRESSED_TENSORS)
     _copy_side_files(src, dst)
     return dst

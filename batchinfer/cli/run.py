@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,8 @@ def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
             f"{len(locked)} shard(s) are being worked on by other runners (first: {locked[0]:05d})", err=True
         )
     if stop:
-        click.echo(f"stopped on request; rerun to continue (exit {worker.EXIT_STOPPED})", err=True)
+        by = f"by {signal.Signals(stop.signum).name}" if stop.signum else "on request"
+        click.echo(f"stopped {by}; rerun to continue (exit {worker.EXIT_STOPPED})", err=True)
         return worker.EXIT_STOPPED
     remaining = [s for s in todo if s in set(attempts.incomplete_shards(plan))]
     if not remaining:

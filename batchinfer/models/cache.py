@@ -27,12 +27,11 @@ class DeltaNetCache:
 
 
 class ModelCache:
-    """All layers' state for a batch of B rows with room for `capacity` tokens per row."""
+    """All layers' state for a batch of B rows (`allocate`: room for `capacity` tokens per row)."""
 
-    def __init__(self, layers: list[AttentionCache | DeltaNetCache], lengths: torch.Tensor, capacity: int):
+    def __init__(self, layers: list[AttentionCache | DeltaNetCache], lengths: torch.Tensor):
         self.layers = layers
         self.lengths = lengths  # [B] int64: tokens of each row already in the cache
-        self.capacity = capacity
 
     @classmethod
     def allocate(
@@ -61,7 +60,7 @@ class ModelCache:
                 )
                 layers.append(DeltaNetCache(conv, state))
         lengths = torch.zeros(batch, dtype=torch.int64, device=device)
-        return cls(layers, lengths, capacity)
+        return cls(layers, lengths)
 
     @property
     def batch_size(self) -> int:
