@@ -377,12 +377,15 @@ def test_prefill_out_of_memory_is_split_and_retried(monkeypatch, caplog):
     outs = gen.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert "ran out of GPU memory; retrying" in caplog.text
+    # a 21-token pass failing says nothing about a budget of thousands: it stays
+    assert gen.pass_tokens == gen.prefill_tokens and "now hold at most" not in caplog.text
+    assert gen.stats["prefill_out_of_memory"] >= 1
 
 
 def test_a_pass_that_runs_out_of_memory_lowers_the_budget_of_later_passes(monkeypatch, caplog):
     """Four slots, eight 6-token prompts, a 24-token budget where more than 12 tokens a pass fail: the first
-    pass (four prompts) fails once and is split; every later pass is planned within 12 tokens, so no
-    other pass fails, and the outputs are those of a generator that never ran out."""
+    pass (four prompts, the whole budget) fails once and is split; every later pass is planned within 12
+    tokens, so no other pass fails, and the outputs are those of a generator that never ran out."""
     cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")
     prompts = _random_prompts(cfg.vocab_size, [6] * 8, seed=5)
     params = [SamplingParams(max_tokens=3, ignore_eos=True)] * 8
@@ -400,7 +403,7 @@ def test_a_pass_that_runs_out_of_memory_lowers_the_budget_of_later_passes(monkey
     outs = gen.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert passes[0] == 24 and all(n <= 12 for n in passes[1:]) and len(passes) > 3
-    assert gen.prefill_tokens == 12
+    assert (gen.prefill_tokens, gen.pass_tokens, gen.stats["prefill_out_of_memory"]) == (24, 12, 1)
     assert "prefill passes now hold at most 12 tokens (was 24)" in caplog.text
 
 

@@ -107,6 +107,7 @@ class FastTokenEngine:
             "max_slots": str(g.max_slots),
             "slots": str(g.slots),  # as the last run planned them
             "prefill_tokens": str(g.prefill_tokens),
+            "prefill_tokens_in_force": str(g.pass_tokens),  # lower after an out-of-memory pass
             "refill_fraction": str(g.refill_fraction),
             "prefill_graph_tokens": str(g.prefill_graph_tokens),
             "deltanet_state": str(g.model.deltanet_state).removeprefix("torch."),

@@ -213,9 +213,9 @@ def breakdown_cmd(
     multiple=True,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Fast engine: prompt tokens a prefill pass, halved for the rest of the run after a pass runs out "
-    "of memory (on the H200 65536 beat 16384 and 32768 on `offline`, and 32768 on `extract` with "
-    "--bf16-experts, docs/PERF.md session 21).",
+    help="Fast engine: prompt tokens a prefill pass; after a pass of more than half that runs out of "
+    "memory, later passes hold at most half its tokens (on the H200 65536 beat 16384 and 32768 on "
+    "`offline`, and 32768 on `extract` with --bf16-experts, docs/PERF.md session 21).",
 )
 @click.option(
     "--refill-fraction",

@@ -3,12 +3,12 @@
 All requests are known up front (offline). Each running sequence owns a slot of the state pools
 (`KernelModel.new_state`), sized from free GPU memory and the longest prompt + max_tokens. Requests wait
 longest-output-first; whenever `refill_fraction` of the slots are free (or every waiting prompt fits),
-waiting prompts are prefilled together (packed, up to `prefill_tokens` tokens a pass; after a pass runs
-out of memory, at most half its tokens) and join the decode batch, which then runs one token per running
-sequence per step. The two set the split between prefill passes and decode steps (`bench run
---prefill-tokens/--refill-fraction` measures it). A prompt longer than a pass is prefilled in pieces
-(chunked prefill: each piece continues the slot's KV cache and DeltaNet state), one pass between decode
-steps, so a long prompt does not stall the running batch.
+waiting prompts are prefilled together (packed, up to `prefill_tokens` tokens a pass; after a pass of more
+than half that runs out of memory, at most half its tokens: `pass_tokens`) and join the decode batch, which
+then runs one token per running sequence per step. The two set the split between prefill passes and decode
+steps (`bench run --prefill-tokens/--refill-fraction` measures it). A prompt longer than a pass is prefilled
+in pieces (chunked prefill: each piece continues the slot's KV cache and DeltaNet state), one pass between
+decode steps, so a long prompt does not stall the running batch.
 A decode step is a CUDA graph replay for the smallest captured batch-size bucket >= the running count
 (padding rows have slot and position -1: no state traffic, nothing attended), then greedy argmax or the
 fused sampler on the GPU; the sampled ids stay on the device as the next step's input. Their copy to
@@ -128,6 +128,7 @@ class FastGenerator:
         self.model = model
         self.max_slots = max_slots
         self.prefill_tokens = prefill_tokens
+        self.pass_tokens = prefill_tokens  # the budget in force: lowered after an out-of-memory pass
         self.refill_fraction = refill_fraction
         self.cuda_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_graph_tokens = prefill_graph_tokens
@@ -140,7 +141,12 @@ class FastGenerator:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, _PrefillGraph] = {}
         self._pool = None
-        self.stats: dict[str, int] = {"prefill_passes": 0, "decode_steps": 0, "graph_captures": 0}
+        self.stats: dict[str, int] = {
+            "prefill_passes": 0,
+            "decode_steps": 0,
+            "graph_captures": 0,
+            "prefill_out_of_memory": 0,
+        }
         self.batch_sizes: list[int] = []
 
     @property
@@ -311,10 +317,10 @@ class FastGenerator:
     def _next_pass(
         self, partial: list[_Seq], pending: deque[_Seq], free: list[int], refill: bool
     ) -> list[tuple[_Seq, int]]:
-        """The pieces `(seq, tokens)` of the next prefill pass, at most `prefill_tokens` in all: prompts
+        """The pieces `(seq, tokens)` of the next prefill pass, at most `pass_tokens` in all: prompts
         already started first, then (when refilling) waiting prompts that fit whole; a prompt longer than
         the budget starts alone and goes on in later passes (chunked prefill)."""
-        budget, pieces = self.prefill_tokens, []
+        budget, pieces = self.pass_tokens, []
         for s in partial:
             if budget == 0:
                 break
@@ -331,8 +337,9 @@ class FastGenerator:
     def _prefill(self, pieces: list[tuple[_Seq, int]]) -> list[tuple[_Seq, int, int | None]]:
         """Prefill the pieces (slots assigned); per piece `(seq, tokens prefilled, first output token or
         None while its prompt is unfinished)`. On out-of-memory, splits the pass and retries, down to
-        halving a single piece, and later passes hold at most half the failed pass's tokens (so a budget
-        too large for this GPU costs one failure, not one a pass). Later pieces of chunked prompts get
+        halving a single piece. A failed pass of more than half the budget lowers the budget to half its
+        tokens, so a budget too large for this GPU costs one failure, not one a pass; a smaller pass
+        failing says little about the budget and leaves it. Later pieces of chunked prompts get
         their slots' DeltaNet state back before the retry (the failed pass may have advanced it in some
         layers)."""
         later = [s.slot for s, _ in pieces if s.prefilled]
@@ -347,10 +354,11 @@ class FastGenerator:
                 raise
         # Retried out here, once the error (and with its traceback the failed pass's activations) is gone.
         torch.cuda.empty_cache()
-        fits = max(1, sum(n for _, n in pieces) // 2)
-        if fits < self.prefill_tokens:
-            log.warning("prefill passes now hold at most %d tokens (was %d)", fits, self.prefill_tokens)
-            self.prefill_tokens = fits
+        self.stats["prefill_out_of_memory"] += 1
+        tokens = sum(n for _, n in pieces)
+        if 2 * tokens > self.pass_tokens:
+            log.warning("prefill passes now hold at most %d tokens (was %d)", tokens // 2, self.pass_tokens)
+            self.pass_tokens = max(1, tokens // 2)
         if len(pieces) > 1:
             half = len(pieces) // 2
             log.warning(
