@@ -45,10 +45,10 @@ log = logging.getLogger(__name__)
 # tok/s: longer steps, each reading the weights once for more tokens. On the fp32 state free memory caps it
 # first (804 slots on the H200, session 21); not measured on `extract`.
 MAX_SLOTS = 1024
-# Prompt tokens a prefill pass (lowered for the generator's life after a pass runs out of memory). On the
-# H200 (session 21, whole workloads, Qwen3.6): `offline` on the fp32 state 9,187 / 9,478 / 9,619 output
-# tok/s at 16,384 / 32,768 / 65,536; `extract` with `bf16_experts` 69,313 / 71,365 total at 32,768 /
-# 65,536. Longer passes read each layer's experts once for more tokens.
+# Prompt tokens a prefill pass (`FastGenerator.pass_tokens` goes lower after a large pass runs out of
+# memory). On the H200 (session 21, whole workloads, Qwen3.6): `offline` on the fp32 state 9,187 / 9,478 /
+# 9,619 output tok/s at 16,384 / 32,768 / 65,536; `extract` with `bf16_experts` 69,313 / 71,365 total at
+# 32,768 / 65,536. Longer passes read each layer's experts once for more tokens.
 PREFILL_TOKENS = 65536
 REFILL_FRACTION = 0.125  # waiting prompts are prefilled once this fraction of the slots is free
 MEMORY_RESERVE = 0.1  # of total GPU memory kept free for activations and the graphs' pool
@@ -339,9 +339,8 @@ class FastGenerator:
         None while its prompt is unfinished)`. On out-of-memory, splits the pass and retries, down to
         halving a single piece. A failed pass of more than half the budget lowers the budget to half its
         tokens, so a budget too large for this GPU costs one failure, not one a pass; a smaller pass
-        failing says little about the budget and leaves it. Later pieces of chunked prompts get
-        their slots' DeltaNet state back before the retry (the failed pass may have advanced it in some
-        layers)."""
+        failing says little about the budget and leaves it. Later pieces of chunked prompts get their
+        slots' DeltaNet state back before the retry (the failed pass may have advanced it in some layers)."""
         later = [s.slot for s, _ in pieces if s.prefilled]
         saved = None
         try:
