@@ -131,6 +131,8 @@ def build_plan(
     """Validate the inputs and describe the job. `check_rows=False` skips the row scan (ids, prompt /
     messages; used when only comparing against an existing plan, whose fingerprints already vouch for
     the rows). `task` picks the task (jobs.tasks); for `image`, `sampling` holds the thresholds."""
+    if Path(job_dir).exists() and not Path(job_dir).is_dir():
+        raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")
     if chunk_rows < 1:
         raise InputError(f"chunk_rows must be >= 1, got {chunk_rows}")
     kind = tasks.get(task)

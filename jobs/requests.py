@@ -203,6 +203,11 @@ def _check_sampling(sampling: dict[str, Any]) -> None:
 def _describe_model(model_path: str) -> dict[str, str]:
     from batchinfer.models.config import ModelConfig
 
+    if Path(model_path).is_file():  # the engines load a folder: config.json beside the weights
+        raise InputError(
+            f"--model {model_path}: expected a checkpoint folder (config.json and the weights), got a file; "
+            f"pass its folder {Path(model_path).resolve().parent}"
+        )
     config = ModelConfig.from_pretrained(model_path)
     return {
         "path": str(Path(model_path).resolve()),

@@ -50,6 +50,11 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'} ({e})") from None
     for key, value in raw.items():
+        if key in SAMPLING_KEYS:
+            raise ConfigError(
+                f"{path}: key {key!r} is a sampling parameter; put it in the sampling table ([sampling] in "
+                "TOML)"
+            )
         if key not in TOP_KEYS:
             raise ConfigError(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(TOP_KEYS))}")
         _check_type(path, key, value, TOP_KEYS[key])

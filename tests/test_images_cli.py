@@ -69,3 +69,11 @@ def test_user_errors_are_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and "--score-threshold must be a number in [0, 1), got 1.5" in r.stderr
     r = run_cli("segment", "-o", str(out), "--plan-only")
     assert r.returncode == 0 and "3 images in 1 shards" in r.stderr
+    for flag in ("--shards", "--chunk-rows"):  # 0 was taken as "the default"
+        r = run_cli(*_args(d, tmp_path / "zero", flag, "0"))
+        assert r.returncode == 2 and f"Invalid value for '{flag}': 0 is not in the range x>=1" in r.stderr
+    r = run_cli(*_args(d, tmp_path / "one", "--chunk-rows", "1", "--plan-only"))  # a given value is kept
+    assert r.returncode == 0 and '"chunk_rows": 1' in (tmp_path / "one" / "plan.json").read_text()
+    r = run_cli("run", "-o", str(out), "-i", str(d), "-m", str(tmp_path))  # text flags on an image job
+    assert r.returncode == 2 and "an image job; resume it with `batchinfer run --output" in r.stderr
+    assert run_cli("run", "-o", str(out), "--progress", "none").returncode == 0  # a plain resume still runs

@@ -241,6 +241,9 @@ def test_spec_file_and_examples(tmp_path):
     spec.write_text('inptu = "x"\n')
     r = run_cli("run", str(spec))
     assert r.returncode == 2 and "unknown key 'inptu'" in r.stderr
+    spec.write_text("max_tokens = 4\n")  # a `run` flag, but its spec key lives in [sampling]
+    r = run_cli("run", str(spec))
+    assert r.returncode == 2 and "'max_tokens' is a sampling parameter; put it in the sampling" in r.stderr
     examples = sorted((REPO / "jobs" / "examples").glob("*.toml"))
     assert examples
     for ex in examples:
@@ -266,6 +269,15 @@ def test_engine_and_usage_errors(tmp_path):
     assert r.returncode == 2 and "Invalid value for '--shards': 0 is not in the range x>=1" in r.stderr
     r = run_cli("run", *echo_args(tmp_path, tmp_path / "o2")[1:], "--shard", "9")
     assert r.returncode == 2 and "shard 9 does not exist" in r.stderr
+    args = echo_args(tmp_path, tmp_path / "o4")
+    args[args.index("--model") + 1] = str(tmp_path / "model" / "config.json")
+    r = run_cli(*args)
+    assert r.returncode == 2 and "expected a checkpoint folder" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "o4" / "plan.json").exists()  # refused before the plan, so the fix is a rerun
+    (tmp_path / "afile").write_text("x")
+    r = run_cli(*echo_args(tmp_path, tmp_path / "afile"))
+    assert r.returncode == 2 and "a file; expected a job directory" in r.stderr
+    assert "Traceback" not in r.stderr
     shutil.rmtree(tmp_path / "model")
     r = run_cli(*echo_args(tmp_path, tmp_path / "o3"))
     assert r.returncode == 2 and "no config.json found" in r.stderr
@@ -302,4 +314,11 @@ def test_eval_refuses_unknown_engine_arg_before_writing_anything(tmp_path):
         "eval", "-m", str(tmp_path / "model"), "-o", str(tmp_path / "ev"), "--engine-arg", "devic=cpu"
     )
     assert r.returncode == 2 and "got an unexpected keyword argument 'devic'; it accepts device," in r.stderr
+    assert not (tmp_path / "ev").exists()
+
+
+def test_eval_refuses_an_unknown_task_in_one_line(tmp_path):
+    r = run_cli("eval", "-m", str(tmp_path / "model"), "-o", str(tmp_path / "ev"), "--tasks", "bogus")
+    assert r.returncode == 2 and "unknown task 'bogus'; known tasks:" in r.stderr
+    assert "Traceback" not in r.stderr
     assert not (tmp_path / "ev").exists()

@@ -113,3 +113,21 @@ def test_stop_signal_commits_chunk_and_exits_for_requeue(tmp_path, sig):
     assert not list(out.rglob(".*.tmp-*"))
     done = run_cli(*args)
     assert done.returncode == 0 and _counts(out) == (ROWS, ROWS)
+
+
+def test_stop_signal_during_the_last_chunk_exits_0_once_everything_is_done(tmp_path):
+    """A stop that lands while the last chunk runs leaves nothing to requeue: the chunk commits and the run
+    exits 0 (a scheduler requeues on 75 for nothing otherwise)."""
+    out, args = _job(tmp_path, delay="0.05", shards="1", chunk_rows=str(ROWS))  # one chunk of ~6 s
+    proc = _start(args)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if json.loads(run_cli("status", str(out), "--json").stdout or "{}").get("shards_running") == 1:
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the chunk
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "rerun to continue" not in err and "are done" in err
+    assert _counts(out) == (ROWS, ROWS)

@@ -41,7 +41,10 @@ def eval_command(
     from batchinfer.jobs import plan as plans
     from batchinfer.jobs.engines import check_args, parse_args
 
-    names = [get_task(t.strip()).name for t in tasks.split(",")] if tasks else None
+    try:
+        names = [get_task(t.strip()).name for t in tasks.split(",")] if tasks else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--tasks") from None
     engine_args = parse_args(engine_arg)
     check_args(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
     job_dir = Path(output).resolve()

@@ -65,11 +65,12 @@ def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
         click.echo(
             f"{len(locked)} shard(s) are being worked on by other runners (first: {locked[0]:05d})", err=True
         )
-    if stop:
+    left = set(attempts.incomplete_shards(plan))
+    remaining = [s for s in todo if s in left]
+    if stop and remaining:  # a stop after the last chunk committed leaves nothing to requeue: exit 0 below
         by = f"by {signal.Signals(stop.signum).name}" if stop.signum else "on request"
         click.echo(f"stopped {by}; rerun to continue (exit {worker.EXIT_STOPPED})", err=True)
         return worker.EXIT_STOPPED
-    remaining = [s for s in todo if s in set(attempts.incomplete_shards(plan))]
     if not remaining:
         click.echo(f"all selected shards of {plan.job_dir} are done", err=True)
     return 0
@@ -110,7 +111,7 @@ def _merge(spec_file: str | None, flags: dict[str, Any]) -> dict[str, Any]:
     "--shards", type=click.IntRange(min=1), help="Number of shards (row ranges) [one per 100,000 rows]."
 )
 @click.option("--shard", "shard_ids", type=int, multiple=True, help="Work only on this shard (repeatable).")
-@click.option("--chunk-rows", type=int, help="Rows per committed chunk file [1000].")
+@click.option("--chunk-rows", type=click.IntRange(min=1), help="Rows per committed chunk file [1000].")
 @click.option("--keep-columns", help="Comma-separated input columns to copy to the output.")
 @click.option("--engine", help="Engine factory MODULE:FUNCTION [batchinfer.engine.loader:load_engine].")
 @click.option("--engine-arg", "engine_arg", multiple=True, help="KEY=VALUE passed to the engine factory.")
@@ -149,7 +150,14 @@ def run_command(
     job_dir = Path(args["output"]).resolve()
     if (job_dir / PLAN_FILE).exists() and not force_new_plan:
         plan = plans.Plan.load(job_dir)
-        if any(k in args for k in PLAN_KEYS):
+        given = [k for k in PLAN_KEYS if k in args]
+        if given and plan.doc["task"] == "image":  # run's flags describe a text job
+            raise InputError(
+                f"{job_dir / PLAN_FILE}: an image job; resume it with `batchinfer run --output {job_dir}` "
+                f"alone, or change it with `batchinfer segment --output {job_dir} ...` (got "
+                f"{', '.join(given)})"
+            )
+        if given:
             plan = plans.open_or_create(_build(job_dir, args, plan.doc, check_rows=False))
         plans.verify_inputs(plan)
     else:

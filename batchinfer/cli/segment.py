@@ -38,9 +38,11 @@ DEFAULT_IMAGE_ENGINE = "batchinfer.images.sam3_engine:load_engine"
     help="Text prompt to segment (repeatable); for folder/glob inputs, and Parquet rows without prompts.",
 )
 @click.option("--score-threshold", type=float, help="Keep instances with score above this [0.5].")
-@click.option("--shards", type=int, help="Number of shards (row ranges) [one per 100,000 images].")
+@click.option(
+    "--shards", type=click.IntRange(min=1), help="Number of shards (row ranges) [one per 100,000 images]."
+)
 @click.option("--shard", "shard_ids", type=int, multiple=True, help="Work only on this shard (repeatable).")
-@click.option("--chunk-rows", type=int, help="Images per committed chunk file [256].")
+@click.option("--chunk-rows", type=click.IntRange(min=1), help="Images per committed chunk file [256].")
 @click.option("--keep-columns", help="Comma-separated Parquet input columns to copy to every output row.")
 @click.option("--engine", help=f"Engine factory MODULE:FUNCTION [{DEFAULT_IMAGE_ENGINE}].")
 @click.option("--engine-arg", "engine_args", multiple=True, help="KEY=VALUE passed to the engine factory.")
@@ -131,8 +133,8 @@ def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, chec
         patterns,
         args["model"] if "model" in args else (old["model"]["path"] if old else ""),
         params,
-        num_shards=args.get("shards") or (len(old["shards"]) if old else None),
-        chunk_rows=args.get("chunk_rows") or (old["chunk_rows"] if old else DEFAULT_CHUNK_ROWS),
+        num_shards=args.get("shards", len(old["shards"]) if old else None),
+        chunk_rows=args.get("chunk_rows", old["chunk_rows"] if old else DEFAULT_CHUNK_ROWS),
         keep_columns=_columns(keep) if keep else (old["keep_columns"] if old else []),
         engine=engine,
         engine_args=engine_args,
