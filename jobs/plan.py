@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_ROWS = 100_000  # default shard size: a few GPU-hours at most, so requeues lose little
 DEFAULT_CHUNK_ROWS = 1000  # rows per committed file: a kill loses at most this much work
 DEFAULT_ENGINE = "batchinfer.engine.loader:load_engine"
+# what a checkpoint folder's model is made of: config and quantization JSON, weights, tokenizer files
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".pt", ".pth", ".bin", ".model", ".tiktoken", ".txt")
 _NOT_HASHED = ("plan_id", "created_at", "batchinfer_version")
 
 
@@ -172,7 +174,7 @@ def build_plan(
         "shards": [
             {"shard": i, "start": s, "end": e} for i, (s, e) in enumerate(split_rows(total, num_shards))
         ],
-        "model": kind.describe_model(str(model_path)),
+        "model": {**kind.describe_model(str(model_path)), "files": model_files(str(model_path))},
         "engine": {"factory": engine, "args": dict(engine_args or {})},
         "sampling": dict(sampling),
         "seed": int(seed),
@@ -202,13 +204,20 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                 changes.append(f"input file changed: {p}: {key} {old_in[p][key]} -> {new_in[p][key]}")
     if not changes and [f["path"] for f in old["inputs"]] != [f["path"] for f in new["inputs"]]:
         changes.append("input files are in a different order")
+    old_model, new_model = dict(old["model"]), dict(new["model"])
+    old_files, new_files = old_model.pop("files", None), new_model.pop("files", None)
+    if old_model != new_model:
+        changes.append(
+            f"model: {json.dumps(old_model, sort_keys=True)} -> {json.dumps(new_model, sort_keys=True)}"
+        )
+    elif None not in (old_files, new_files):
+        changes += _model_changes(old_files, new_files)
     for key in (
         "task",
         "id_type",
         "keep_columns",
         "total_rows",
         "chunk_rows",
-        "model",
         "engine",
         "sampling",
         "seed",
@@ -224,12 +233,35 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return changes
 
 
+def model_files(model_path: str) -> dict[str, str]:
+    """Fingerprints (size and tail, as for input files) of the files a checkpoint is made of: the file
+    itself, or a folder's top-level config, weight and tokenizer files; {} without a model. A resume
+    checks them, so that a model replaced in place (other weights, another quantization) cannot mix
+    into one job's results: config.json alone hashes the same for every quantization of a model."""
+    p = Path(model_path).expanduser().resolve() if model_path else None
+    if p is None or not p.exists():
+        return {}
+    found = [p] if p.is_file() else [
+        f for f in sorted(p.iterdir()) if f.is_file() and f.suffix in MODEL_FILE_SUFFIXES and f.name[0] != "."
+    ]  # fmt: skip
+    return {f.name: inputs.fingerprint(f, f.stat().st_size) for f in found}
+
+
+def _model_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    return [f"model file {n}: " + ("removed" if n not in new else "added" if n not in old else "changed")
+            for n in sorted(old.keys() | new.keys()) if old.get(n) != new.get(n)]  # fmt: skip
+
+
 def verify_inputs(plan: Plan) -> None:
-    """Refuse to work on inputs that changed since the plan was made."""
+    """Refuse to work on inputs, or a model, that changed since the plan was made."""
     problems = [p for f in plan.inputs if (p := inputs.check_unchanged(f))]
+    model = plan.doc["model"]
+    if "files" in model:  # plans written before the model's files were recorded are not checked
+        now = model_files(model["path"])
+        problems += [f"{model['path']}: {c}" for c in _model_changes(model["files"], now)]
     if problems:
         raise PlanMismatchError(
-            f"{plan.job_dir / commit.PLAN_FILE}: the inputs changed since the plan was made: "
+            f"{plan.job_dir / commit.PLAN_FILE}: the inputs or the model changed since the plan was made: "
             + "; ".join(problems)
             + ". Restore them, or start over with --force-new-plan (or a new --output directory)"
         )

@@ -153,7 +153,7 @@ def test_changed_input_refused_then_force_new_plan(tmp_path):
     r = run_cli("run", "--output", str(out))
     assert (
         r.returncode == 2
-        and "the inputs changed since the plan was made" in r.stderr
+        and "the inputs or the model changed since the plan was made" in r.stderr
         and "part-0" in r.stderr
     )
     r = run_cli(*echo_args(tmp_path, out, "--max-tokens", "3"))
@@ -191,7 +191,7 @@ def test_null_prompt_is_a_job_level_error_and_loses_nothing(tmp_path):
     t["prompt"][3] = None
     pq.write_table(pa.table(t), paths[1])
     r = run_cli("run", "--output", str(out))
-    assert r.returncode == 2 and "the inputs changed since the plan was made" in r.stderr
+    assert r.returncode == 2 and "the inputs or the model changed since the plan was made" in r.stderr
     assert _digest(out) == before and (out / "plan.json").read_bytes() == plan
     assert not (out / "superseded").exists()
 
@@ -322,3 +322,24 @@ def test_eval_refuses_an_unknown_task_in_one_line(tmp_path):
     assert r.returncode == 2 and "unknown task 'bogus'; known tasks:" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "ev").exists()
+
+
+def test_a_model_replaced_in_place_is_refused_on_resume(tmp_path):
+    """Another quantization of the same model has the same config.json: the plan's fingerprints of the
+    checkpoint's files catch it, so one job's results never mix two models."""
+    write_inputs(tmp_path, files=2, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out, "--shards", "2", "--shard", "0")).returncode == 0
+    before = _digest(out)
+    (tmp_path / "model" / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "NVFP4"}}')
+    r = run_cli("run", "--output", str(out), "--progress", "none")  # a plain resume
+    assert r.returncode == 2 and "the inputs or the model changed" in r.stderr
+    assert "model file hf_quant_config.json: added" in r.stderr
+    r = run_cli(*echo_args(tmp_path, out, "--shards", "2"))  # the original command
+    assert r.returncode == 2 and "describes a different job" in r.stderr
+    assert "model file hf_quant_config.json: added" in r.stderr
+    assert _digest(out) == before
+    (tmp_path / "model" / "hf_quant_config.json").unlink()
+    assert run_cli("run", "--output", str(out), "--progress", "none").returncode == 0
+    assert json.loads(run_cli("status", str(out), "--json").stdout)["rows_done"] == 20
