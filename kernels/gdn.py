@@ -39,16 +39,17 @@ def _interpreted() -> bool:
     return interpreting()
 
 
-def _delta_rule_configs(decode: bool, state_bytes: int = 4) -> dict[str, int]:
-    """v-tile and warps. Decode: each program streams a `[Dk, BLOCK_V]` state tile, 128-byte rows (32 fp32
-    or 64 bf16 values; measured 2026-11-30: fp32 32-wide tiles 73-79% of copy bandwidth, bf16 32-wide
-    ones only 44-48%). Prefill: narrow tiles, more programs to hide the token loop's latency. A decode
-    config may add PERSISTENT (programs an SM) and STAGES, which run `_delta_rule_decode_kernel` instead:
-    `tune_attn` times it against this one (not yet on a GPU, so no default takes it)."""
+def _delta_rule_configs(decode: bool, state_bytes: int = 4, rows: int = 0) -> dict[str, int]:
+    """v-tile and warps. Decode: each program streams a `[Dk, BLOCK_V]` state tile. From 32 rows, 64-wide
+    tiles on 4 warps (H200, 2026-12-05, fp32 state: 40.3 / 144.7 / 563.6 us at 32 / 128 / 512 rows
+    against 42.9 / 166.7 / 656.4 for 32-wide; 3.8 TB/s of state at 512; the same order on an H100;
+    a persistent launch with pipelined tile loads lost to both); below, 128-byte rows (32 fp32 or 64
+    bf16 values), twice the programs for a small batch (not timed against 64-wide there). Prefill:
+    narrow tiles, more programs to hide the token loop's latency."""
     if _interpreted():
         return {"BLOCK_V": 16, "num_warps": 1}
     if decode:
-        return {"BLOCK_V": 128 // state_bytes, "num_warps": 4}
+        return {"BLOCK_V": 64 if rows >= 32 else 128 // state_bytes, "num_warps": 4}
     return {"BLOCK_V": 16, "num_warps": 4}
 
 
@@ -143,47 +144,6 @@ def _delta_rule_kernel(
 
 
 @triton.jit
-def _delta_rule_decode_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr, o_ptr,  #
-    TILES, HV, HV_PER_K, q_scale,  #
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,  #
-    stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,  #
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,  #
-    INTERPRET: tl.constexpr, PDL: tl.constexpr = False,  #
-):
-    """Decode on persistent programs: each walks its run of tiles (row, v-head, v-tile), and Triton's
-    pipeliner loads the state tiles of its next STAGES - 1 (cp.async into shared memory) while it computes
-    this one, so that a program's reductions never leave its share of the memory system idle. A run keeps a
-    row's heads together: the 8 tiles of a k-head (Qwen3.6) find its q and k cached after the first (sm_90
-    compile: those loads are not pipelined: a 2-byte element a thread is too narrow for cp.async).
-    Power-of-two head dims only; the same arithmetic as `_delta_rule_kernel`."""
-    pdl.enter(PDL)
-    VT: tl.constexpr = DV // BLOCK_V
-    offs_k = tl.arange(0, DK)
-    run = tl.cdiv(TILES, tl.num_programs(0))
-    first = tl.program_id(0) * run
-    for tile in tl.range(first, tl.minimum(first + run, TILES), num_stages=STAGES):
-        row = tile // (HV * VT)
-        h = (tile // VT) % HV
-        offs_v = (tile % VT) * BLOCK_V + tl.arange(0, BLOCK_V)
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        live = offs_k[:, None] < tl.where(slot >= 0, DK, 0)  # [DK, 1]; a padded row: no state, zeros out
-        s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-        S = tl.load(s_ptrs, mask=live, other=0.0).to(tl.float32)
-        hk = h // HV_PER_K
-        q = tl.load(q_ptr + row * stride_qt + hk * stride_qh + offs_k).to(tl.float32)
-        k = tl.load(k_ptr + row * stride_kt + hk * stride_kh + offs_k).to(tl.float32)
-        v = tl.load(v_ptr + row * stride_vt + h * stride_vh + offs_v).to(tl.float32)
-        a = tl.load(a_ptr + row * stride_at + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_bt + h).to(tl.float32)
-        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        S, o = _rule_step(S, q, k, v, a, b, neg_a, q_scale)
-        o = small_ops._to(tl.where(slot >= 0, o, 0.0), o_ptr.dtype.element_ty, INTERPRET)
-        tl.store(o_ptr + row * stride_ot + h * stride_oh + offs_v, o)
-        tl.store(s_ptrs, small_ops._to_state(S, state_ptr.dtype.element_ty, INTERPRET), mask=live)
-
-
-@triton.jit
 def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,  #
     R, H, eps,  #
@@ -249,21 +209,8 @@ def gated_delta_rule(
         raise ValueError(f"slot_ids: expected shape ({N},) (one per {'row' if decode else 'sequence'}), "
                          f"got {tuple(slot_ids.shape)}")
     _check_past(past, N, decode)
-    cfg = dict(config or _delta_rule_configs(decode, state.element_size()))
+    cfg = config or _delta_rule_configs(decode, state.element_size(), N)
     o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    per_sm, stages = cfg.pop("PERSISTENT", 0), cfg.pop("STAGES", 1)
-    if per_sm and decode and triton.next_power_of_2(Dk) == Dk and Dv % cfg["BLOCK_V"] == 0:
-        tiles = T * Hv * (Dv // cfg["BLOCK_V"])
-        sms = torch.cuda.get_device_properties(o.device).multi_processor_count if o.is_cuda else 1
-        _delta_rule_decode_kernel[(min(tiles, per_sm * sms),)](
-            q, k, v, a, b, A_log, dt_bias, state, slot_ids, o,
-            tiles, Hv, Hv // Hk, Dk**-0.5,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            a.stride(0), b.stride(0),
-            state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-            DK=Dk, DV=Dv, STAGES=stages, INTERPRET=interpreting(), **cfg, **pdl.launch(o.device)
-        )
-        return o
     _delta_rule_kernel[(N, Hv, triton.cdiv(Dv, cfg["BLOCK_V"]))](
         q, k, v, a, b, A_log, dt_bias, state, slot_ids, slot_ids if decode else cu_seqlens,
         slot_ids if past is None else past, o,

@@ -21,7 +21,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header = [c.strip("| ") for c in next(line for line in lines if line.startswith("| kernel")).split(" | ")]
     rows = [[c.strip("| ") for c in line.split(" | ")] for line in lines if line.startswith("| _")]
-    assert len(rows) == 62 and not any("FAILED" in line for line in lines)
+    assert len(rows) == 61 and not any("FAILED" in line for line in lines)
     by_kernel = {(r[0], r[1]): dict(zip(header, r, strict=True)) for r in rows}
 
     def column(name: str, key: str, case: str | None = None) -> list[str]:
@@ -45,8 +45,6 @@ def test_all_kernels_compile_for_sm90_without_spills():
     scores = by_kernel[("_chunk_scores_kernel", "prefill")]  # a program a k-head, for its v-heads
     assert ctas["_chunk_scores_kernel"] >= 2 and scores["spill B"] == "0"  # two an SM, no spills
     assert ctas["_chunk_wu_kernel"] >= 4
-    rule = by_kernel[("_delta_rule_decode_kernel", "decode, fp32 state")]  # the next state tile by cp.async
-    assert int(rule["LDGSTS"]) > 0 and rule["spill B"] == "0" and int(rule["CTAs/SM"]) >= 3
     # every kernel of a decode step is launched with programmatic dependent launch and waits for the one
     # before it ahead of any memory access (the report exits 1 on an access before the wait)
     pdl = [(name, r["PDL"]) for (name, _), r in by_kernel.items()]  # every case of each kernel

@@ -264,12 +264,6 @@ def _gdn_launches() -> Iterator[tuple]:
     s32, s16 = torch.zeros(T, Hv, D, D), torch.zeros(T, Hv, D, D, dtype=torch.bfloat16)
     yield "decode, fp32 state", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots)
     yield "decode, bf16 state", gdn._delta_rule_kernel, lambda: rule(s16, slot_ids=slots)
-    persistent = {"BLOCK_V": 32, "num_warps": 4, "PERSISTENT": 3, "STAGES": 3}  # a candidate (`tune_attn`)
-    yield (
-        "decode, fp32 state",
-        gdn._delta_rule_decode_kernel,
-        lambda: rule(s32, slot_ids=slots, config=persistent),
-    )
     past = torch.full((1,), 100, dtype=torch.int32)  # a later piece of a chunked prefill
     yield "prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu)
     yield (

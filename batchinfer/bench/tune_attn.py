@@ -48,11 +48,6 @@ PREFILL = [
 ]
 DECODE = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
 GDN_DECODE = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)]
-# The persistent decode launch (`_delta_rule_decode_kernel`): (BLOCK_V, warps, programs an SM, stages). sm_90
-# compile (Triton 3.9, not the H200's 3.6) at 32-wide tiles on 4 warps: 3 stages 147 registers (3 programs an
-# SM) and 33 KB of shared memory, 2 stages 121 (4 an SM) and 17 KB; 64-wide on 8 warps, 2 stages: 128 (2 an
-# SM). (32, 4, 8, 2) asks for twice what fits: two waves of runs half as long.
-GDN_DECODE_PERSISTENT = [(32, 4, 3, 3), (32, 4, 4, 2), (32, 4, 2, 3), (32, 4, 8, 2), (64, 8, 2, 2)]
 GDN_PREFILL = [(bv, w) for bv in (8, 16, 32) for w in (1, 2, 4)]
 # The chunked rule: changes to `_chunk_configs`' choice for the pass (BT, BLOCK_V, warps and pipeline
 # stages of the sequential launch, warps of the other four). BLOCK_V sets the sequential launch's programs
@@ -189,11 +184,8 @@ def _gdn_decode_point(dev: torch.device, B: int) -> list[dict]:
         s = base.clone()
         return torch.cat([step(c, s).float().flatten(), s.flatten()])
 
-    ref = checked(_delta_rule_configs(True))
-    configs = [_delta_rule_configs(True)] + [dict(BLOCK_V=bv, num_warps=w) for bv, w in GDN_DECODE]
-    configs += [
-        dict(BLOCK_V=bv, num_warps=w, PERSISTENT=p, STAGES=st) for bv, w, p, st in GDN_DECODE_PERSISTENT
-    ]
+    ref = checked(_delta_rule_configs(True, 4, B))
+    configs = [_delta_rule_configs(True, 4, B)] + [dict(BLOCK_V=bv, num_warps=w) for bv, w in GDN_DECODE]
     rows = _sweep(
         f"gdn decode B={B}",
         configs,
