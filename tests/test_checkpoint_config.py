@@ -10,7 +10,7 @@ import math
 import pytest
 
 from batchinfer.checkpoint.layout import weight_specs
-from batchinfer.checkpoint.loader import model_config_from_hf
+from batchinfer.checkpoint.loader import model_config_from_hf, read_raw_config
 from batchinfer.checkpoint.presets import PRESETS, preset_config
 from batchinfer.errors import ConfigError
 from batchinfer.models.config import ModelConfig
@@ -95,16 +95,76 @@ def test_missing_field_is_named():
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        (lambda raw: raw.update(num_hidden_layers="four"), "invalid literal for int"),
-        (lambda raw: raw.update(num_attention_heads=0, head_dim=None), "by zero"),
-        (lambda raw: raw.update(rope_scaling=["default"]), "'list' object has no attribute 'get'"),
+        (
+            lambda raw: raw.update(num_hidden_layers="four"),
+            "num_hidden_layers is 'four', expected an integer >= 1",
+        ),
+        (lambda raw: raw.update(vocab_size="big"), "vocab_size is 'big', expected an integer >= 1"),
+        (
+            lambda raw: raw.update(num_attention_heads=0, head_dim=None),
+            "num_attention_heads is 0, expected an",
+        ),
+        (lambda raw: raw.update(num_key_value_heads=0), "num_key_value_heads is 0, expected an integer >= 1"),
+        (lambda raw: raw.update(hidden_size=-192), "hidden_size is -192, expected an integer >= 1"),
+        (lambda raw: raw.update(num_experts=True), "num_experts is True, expected an integer >= 1"),
+        (lambda raw: raw.update(rms_norm_eps="1e-6"), "rms_norm_eps is '1e-6', expected a positive number"),
+        (
+            lambda raw: raw.update(partial_rotary_factor=2.0),
+            "partial_rotary_factor is 2.0, expected at most 1",
+        ),
+        (
+            lambda raw: raw.update(tie_word_embeddings="false"),
+            "tie_word_embeddings is 'false', expected true",
+        ),
+        (lambda raw: raw.update(eos_token_id=[1, None]), "eos_token_id is None, expected an integer >= 0"),
+        (
+            lambda raw: raw.update(rope_scaling=["default"]),
+            r"rope_scaling is \['default'\], expected an object",
+        ),
+        # cross-field checks in ModelConfig.__post_init__ get the file too
+        (lambda raw: raw.update(num_experts_per_tok=99), "num_experts_per_tok=99 must be in 1..num_experts"),
+        (lambda raw: raw.update(num_key_value_heads=3), "num_attention_heads=.* is not a multiple of"),
     ],
 )
-def test_wrongly_typed_field_is_a_config_error_naming_the_file(edit, match):
+def test_wrongly_typed_field_is_a_config_error_naming_the_file_and_field(edit, match):
     raw = preset_config("tiny-qwen3-moe")
     edit(raw)
-    with pytest.raises(ConfigError, match=f"my/config.json: malformed config: .*{match}"):
+    with pytest.raises(ConfigError, match=f"^my/config.json: {match}"):
         model_config_from_hf(raw, source="my/config.json")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (
+            lambda t: t.update(layer_types="full_attention"),
+            "layer_types is 'full_attention', expected a list",
+        ),
+        (
+            lambda t: t.update(layer_types=["full_attention"]),
+            "layer_types has 1 entries, expected num_hidden",
+        ),
+        (lambda t: t.update(layer_types=["dense"] * 4), r"unsupported layer_types \['dense'\]"),
+        (
+            lambda t: t.update(full_attention_interval=0, layer_types=None),
+            "full_attention_interval is 0, expected an integer >= 1",
+        ),
+        (lambda t: t.update(linear_key_head_dim=None), "linear_key_head_dim is None, expected an integer"),
+    ],
+)
+def test_qwen35_layer_fields_are_named_with_the_file(edit, match):
+    raw = preset_config("tiny-qwen3.5-moe")
+    edit(raw.get("text_config", raw))
+    with pytest.raises(ConfigError, match=f"^my/config.json: {match}"):
+        model_config_from_hf(raw, source="my/config.json")
+
+
+def test_config_json_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config.json: expected a JSON object, found list"):
+        ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"config.json: expected a JSON object, found list"):
+        read_raw_config(tmp_path)
 
 
 def test_real_shape_preset_specs_match_the_note():

@@ -173,3 +173,76 @@ def test_first_matching_pattern_wins_across_plain_names_and_wildcards():
     assert q.scheme_for("model.layers.2.mlp.experts.0.up_proj") is None  # excluded parent
     assert q.scheme_for("model.layers.20.mlp.experts.0.up_proj") == NVFP4  # not under layers.2
     assert q.scheme_for("model.language_model.layers.0.mlp.experts.0.down_proj") == FP8  # prefix tolerance
+
+
+def _ct(**changes):
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": CT_WEIGHTS}},
+    }
+    qc.update(changes)
+    return {"quantization_config": qc}
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (
+            {"quantization_config": "nvfp4"},
+            "config.json: quantization_config is a str ('nvfp4'), expected an object",
+        ),
+        (
+            _ct(config_groups=[1]),
+            "config.json:quantization_config: config_groups is a list ([1]), expected an object",
+        ),
+        (
+            _ct(config_groups={"group_0": "nvfp4"}),
+            "quantization_config: config_groups['group_0'] is a str ('nvfp4'), expected an object",
+        ),
+        (
+            _ct(config_groups={"group_0": {"targets": ["Linear"], "weights": "fp4"}}),
+            "config_groups['group_0'].weights is a str ('fp4'), expected an object",
+        ),
+        (
+            _ct(config_groups={"group_0": {"targets": "Linear", "weights": CT_WEIGHTS}}),
+            "config_groups['group_0'].targets is a str ('Linear'), expected a list of module names (strings)",
+        ),
+        (
+            _ct(ignore="lm_head"),
+            "quantization_config: ignore is a str ('lm_head'), expected a list of module",
+        ),
+        (_ct(ignore=["re:(unclosed"]), "ignore pattern 're:(unclosed' is not a valid regex"),
+        (
+            {"quantization_config": {"quant_method": "modelopt", "quant_algo": ["FP8"]}},
+            "quant_algo ['FP8'] is not supported",
+        ),
+    ],
+)
+def test_wrongly_shaped_config_json_quant_config_names_the_key(tmp_path, raw, expected):
+    with pytest.raises(CheckpointError) as e:
+        read_quant_config(raw, tmp_path)
+    assert f"{tmp_path}/" in str(e.value) and expected in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "expected"),
+    [
+        (
+            {"quant_algo": "NVFP4", "exclude_modules": "lm_head"},
+            "exclude_modules is a str ('lm_head'), expected a list of module names (strings)",
+        ),
+        (
+            {"quant_algo": "FP8", "exclude_modules": ["lm_head", 3]},
+            "exclude_modules is a list (['lm_head', 3])",
+        ),
+        (
+            {"quant_algo": "MIXED_PRECISION", "quantized_layers": {"model.layers.0.mlp.experts": "NVFP4"}},
+            "quantized_layers['model.layers.0.mlp.experts'] is a str ('NVFP4'), expected an object",
+        ),
+    ],
+)
+def test_wrongly_shaped_hf_quant_config_names_the_key(tmp_path, quantization, expected):
+    with pytest.raises(CheckpointError) as e:
+        _hf_quant(tmp_path, quantization)
+    assert f"{tmp_path / 'hf_quant_config.json'}: {expected}" in str(e.value)

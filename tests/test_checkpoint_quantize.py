@@ -214,3 +214,56 @@ def test_exclude_wildcards_decide_what_the_loader_expects(tiny_checkpoint, tmp_p
         CheckpointError, match="linear model.layers.0.self_attn.q_proj is stored unquantized but .* nvfp4"
     ):
         load_checkpoint(dense)
+
+
+def _poison(name, value, dtype=None):
+    """An edit of the tensor dict writing `value` into the first element of tensor `name` (raw bytes with
+    `dtype=torch.uint8`, for float8)."""
+
+    def edit(tensors):
+        t = tensors[name]
+        (t.view(dtype) if dtype is not None else t).view(-1)[0] = value
+
+    return edit
+
+
+NAN, INF = float("nan"), float("inf")
+Q3, Q35 = "model.layers", "model.language_model.layers"
+
+
+@pytest.mark.parametrize(
+    ("preset", "quant", "name", "value", "dtype"),
+    [
+        ("tiny-qwen3-moe", "bf16", "model.norm.weight", NAN, None),
+        ("tiny-qwen3-moe", "bf16", f"{Q3}.1.mlp.experts.3.up_proj.weight", -INF, None),
+        ("tiny-qwen3.5-moe", "bf16", f"{Q35}.0.mlp.experts.gate_up_proj", INF, None),  # fused experts
+        ("tiny-qwen3-moe", "nvfp4", f"{Q3}.0.mlp.experts.2.gate_proj.weight_scale_2", NAN, None),
+        ("tiny-qwen3-moe", "nvfp4", f"{Q3}.0.mlp.experts.2.gate_proj.weight_scale", 0x7F, torch.uint8),
+        ("tiny-qwen3-moe", "nvfp4", f"{Q3}.2.mlp.experts.5.down_proj.weight_scale", 0xFF, torch.uint8),
+        ("tiny-qwen3.5-moe", "mixed", f"{Q35}.3.self_attn.q_proj.weight", 0xFF, torch.uint8),
+        ("tiny-qwen3.5-moe", "mixed", f"{Q35}.3.self_attn.q_proj.weight_scale", INF, None),
+    ],
+)
+def test_nan_or_inf_weights_and_scales_are_refused(
+    tiny_checkpoint, tmp_path, preset, quant, name, value, dtype
+):
+    dst = _copy_edit(tiny_checkpoint(preset, quant), tmp_path, _poison(name, value, dtype))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor {name} contains NaN or Inf$"):
+        load_checkpoint(dst)
+
+
+def test_fp8_extremes_are_not_mistaken_for_nan(tiny_checkpoint, tmp_path):
+    name = f"{Q3}.0.mlp.experts.2.gate_proj.weight_scale"
+
+    def edit(tensors):  # +448 and -448, e4m3fn's largest finite values
+        tensors[name].view(torch.uint8).view(-1)[:2] = torch.tensor([0x7E, 0xFE], dtype=torch.uint8)
+
+    _, w = load_checkpoint(_copy_edit(tiny_checkpoint("tiny-qwen3-moe", "nvfp4"), tmp_path, edit))
+    assert w["layers.0.mlp.experts.2.gate_proj"].block_scale.view(-1)[:2].float().tolist() == [448.0, -448.0]
+
+
+def test_quantize_refuses_a_checkpoint_with_nan(tiny_checkpoint, tmp_path):
+    src = _copy_edit(tiny_checkpoint("tiny-qwen3-moe"), tmp_path, _poison("model.norm.weight", NAN))
+    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight contains NaN or Inf"):
+        quantize_checkpoint(src, tmp_path / "q", scheme="nvfp4")
+    assert not (tmp_path / "q").exists()

@@ -70,6 +70,20 @@ def test_index_pointing_at_missing_shard_or_tensor(tmp_path):
         TensorSource.from_path(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("weight_map", "match"),
+    [
+        (["a"], r"'weight_map' is a list, expected an object of tensor name -> shard file name"),
+        ({"a": None}, r"weight_map\['a'\] is None, expected a shard file name \(a string\)"),
+    ],
+)
+def test_malformed_weight_map_names_the_index(tmp_path, weight_map, match):
+    save_file({"a": TENSORS["a"]}, str(tmp_path / "s1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors\.index\.json: {match}"):
+        TensorSource.from_path(tmp_path)
+
+
 def test_folder_without_weights(tmp_path):
     with pytest.raises(CheckpointError, match=r"no model.safetensors or model.safetensors.index.json found"):
         TensorSource.from_path(tmp_path)

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -107,3 +109,41 @@ def test_from_checkpoint_assigns_weights(tmp_path):
     written = random_sam3_state_dict(TINY, 5)
     for key, tensor in model.state_dict().items():
         assert torch.equal(tensor, written[f"detector.{key}"]), key
+
+
+def _tiny_fields(**changes) -> str:
+    fields = json.loads(TINY.to_json())
+    fields.update(changes)
+    return json.dumps({k: v for k, v in fields.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    ("stored", "match"),
+    [
+        ("{not json", "sam3_config metadata is not valid JSON"),
+        ("[1, 2]", "sam3_config metadata is a list, expected a JSON object of Sam3Config fields"),
+        (_tiny_fields(bogus=1), r"sam3_config metadata: unknown Sam3Config fields \['bogus'\]"),
+        (_tiny_fields(d_model=None), r"sam3_config metadata: missing Sam3Config fields \['d_model'\]"),
+        (_tiny_fields(d_model="64"), "sam3_config metadata: field d_model is '64', expected an integer"),
+        (_tiny_fields(vit_global_blocks=[1, "3"]), r"field vit_global_blocks is \[1, '3'\], expected a list"),
+        (_tiny_fields(vit_global_blocks=3), "field vit_global_blocks is 3, expected a list of integers"),
+        (
+            _tiny_fields(image_size=60),
+            "sam3_config metadata: image_size=60 is not a multiple of patch_size=7",
+        ),
+        (_tiny_fields(patch_size=0), "sam3_config metadata: patch_size must be at least 1"),
+    ],
+)
+def test_broken_config_metadata_is_named(tmp_path, stored, match):
+    path = tmp_path / "m.safetensors"
+    save_file(random_sam3_state_dict(TINY, 0), str(path), metadata={"sam3_config": stored})
+    with pytest.raises(CheckpointError, match=rf"m\.safetensors: {match}" if match[0] == "s" else match):
+        load_sam3_state_dict(path)
+
+
+def test_folder_instead_of_file_says_what_is_expected(tmp_path):
+    write_random_sam3(tmp_path / "sam3.pt", TINY, seed=0)
+    with pytest.raises(
+        CheckpointError, match=r"is a folder; expected a SAM 3 checkpoint file .*; it holds sam3\.pt"
+    ):
+        load_sam3_state_dict(tmp_path)

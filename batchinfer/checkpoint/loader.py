@@ -56,13 +56,16 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
 def read_raw_config(folder: Path) -> dict[str, Any]:
     file = folder / "config.json"
     try:
-        return json.loads(file.read_text())
+        raw = json.loads(file.read_text())
     except FileNotFoundError:
         raise ConfigError(
             f"{file}: no config.json found (is {folder} a Hugging Face checkpoint folder?)"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object, found {type(raw).__name__}")
+    return raw
 
 
 def load_checkpoint(
@@ -242,41 +245,67 @@ def _guess_prefix(prefixes: dict[str, str]) -> str:
     return max(set(seen), key=seen.count) if seen else layout.PREFIX_TEXT
 
 
+class _Reader:
+    """Reads tensors onto the device and refuses NaN or Inf in every float or FP8 one (weights, norms,
+    scales), which would otherwise run and write garbage. Each check is one reduction on the tensor's
+    device, no copy and no host sync; `check()` syncs once at the end. Packed NVFP4 codes (uint8) have
+    no NaN encoding and are not checked."""
+
+    def __init__(self, tensors: TensorSource, device: torch.device | str) -> None:
+        self.tensors, self.device = tensors, device
+        self._bad: list[tuple[str, torch.Tensor]] = []  # tensor name, 0-dim bool on the device
+
+    def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.tensors.get(name, self.device, dtype)
+        if t.numel() and t.dtype == _F8:
+            # e4m3fn has no Inf; NaN is S.1111.111: 0xFF is the uint8 maximum, 0x7F the int8 maximum.
+            nan = (t.view(torch.uint8).max() == 0xFF) | (t.view(torch.int8).max() == 0x7F)
+            self._bad.append((name, nan))
+        elif t.numel() and t.is_floating_point():
+            lo, hi = torch.aminmax(t)  # NaN propagates into both; +-Inf is the min or the max
+            self._bad.append((name, ~(lo.isfinite() & hi.isfinite())))
+        return t
+
+    def check(self) -> None:
+        if self._bad and bool(torch.stack([b for _, b in self._bad]).any()):
+            name = next(n for n, b in self._bad if bool(b))
+            raise CheckpointError(f"{self.tensors.infos[name].file}: tensor {name} contains NaN or Inf")
+
+
 def _materialize(
     plan: dict[str, tuple], tensors: TensorSource, device: torch.device | str, dtype: torch.dtype
 ) -> dict[str, Weight]:
+    read = _Reader(tensors, device)
     out: dict[str, Weight] = {}
     fused_cache: dict[str, torch.Tensor] = {}
     for canon, step in plan.items():
         kind = step[0]
         if kind == "dense":
-            out[canon] = tensors.get(step[1], device, dtype)
+            out[canon] = read(step[1], dtype)
         elif kind == "fused":
             _, name, e, rows = step
             if name not in fused_cache:
-                fused_cache = {name: tensors.get(name, device, dtype)}  # one layer's experts at a time
+                fused_cache = {name: read(name, dtype)}  # one layer's experts at a time
             out[canon] = fused_cache[name][e, rows]
         elif kind == NVFP4:
-            out[canon] = _nvfp4(canon, step[1], step[2], tensors, device)
+            out[canon] = _nvfp4(canon, step[1], step[2], read)
         else:
             _, _, f = step
-            scale = tensors.get(f["weight_scale"], device, torch.float32).reshape(())
-            out[canon] = FP8Weight(tensors.get(f["weight"], device), scale)
+            out[canon] = FP8Weight(read(f["weight"]), read(f["weight_scale"], torch.float32).reshape(()))
+    read.check()
     if "lm_head" not in out:
         out["lm_head"] = out["embed_tokens"]  # tied embeddings
     return out
 
 
-def _nvfp4(
-    canon: str, method: str, f: dict[str, str], tensors: TensorSource, device: torch.device | str
-) -> NVFP4Weight:
+def _nvfp4(canon: str, method: str, f: dict[str, str], read: _Reader) -> NVFP4Weight:
     try:
         if method == COMPRESSED_TENSORS:
-            packed = tensors.get(f["weight_packed"], device)
-            scale = tensor_scale_from_ct_global(tensors.get(f["weight_global_scale"], device, torch.float32))
+            packed = read(f["weight_packed"])
+            scale = tensor_scale_from_ct_global(read(f["weight_global_scale"], torch.float32))
         else:
-            packed = tensors.get(f["weight"], device)
-            scale = tensors.get(f["weight_scale_2"], device, torch.float32).reshape(())
-        return NVFP4Weight(packed, tensors.get(f["weight_scale"], device), scale)
+            packed = read(f["weight"])
+            scale = read(f["weight_scale_2"], torch.float32).reshape(())
+        return NVFP4Weight(packed, read(f["weight_scale"]), scale)
     except ValueError as e:
         raise CheckpointError(f"NVFP4 linear {canon}: {e}") from None

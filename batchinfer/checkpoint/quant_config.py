@@ -120,7 +120,10 @@ def read_quant_config(raw_config: dict[str, Any] | None, folder: Path | None) ->
     qc = (raw_config or {}).get("quantization_config")
     if not qc:
         return None
-    source = f"{folder / 'config.json' if folder else 'config'}:quantization_config"
+    file = folder / "config.json" if folder else "config"
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{file}: quantization_config is {_shown(qc)}, expected an object")
+    source = f"{file}:quantization_config"
     method = qc.get("quant_method")
     if method == MODELOPT:
         return _modelopt(qc, source)
@@ -132,8 +135,37 @@ def read_quant_config(raw_config: dict[str, Any] | None, folder: Path | None) ->
     )
 
 
+def _shown(value: Any) -> str:
+    """`a str ('nvfp4')`: the JSON type and value of a wrongly typed field, for error messages."""
+    text = repr(value)
+    return f"a {type(value).__name__} ({text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def _object(value: Any, source: str, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{source}: {key} is {_shown(value)}, expected an object")
+    return value
+
+
+def _names(value: Any, source: str, key: str) -> list[str]:
+    """A list of module names or patterns; a bare string is refused rather than read as a list of letters."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise CheckpointError(
+            f"{source}: {key} is {_shown(value)}, expected a list of module names (strings)"
+        )
+    for v in value:
+        if v.startswith("re:"):
+            try:
+                re.compile(v[3:])
+            except re.error as e:
+                raise CheckpointError(f"{source}: {key} pattern {v!r} is not a valid regex ({e})") from None
+    return value
+
+
 def _modelopt_algo(algo: Any, group_size: Any, source: str, where: str) -> str:
-    if algo not in MODELOPT_ALGOS:
+    if not isinstance(algo, str) or algo not in MODELOPT_ALGOS:
         raise CheckpointError(
             f"{source}: {where}quant_algo {algo!r} is not supported; "
             f"supported: {', '.join([*MODELOPT_ALGOS, MIXED])}"
@@ -147,17 +179,20 @@ def _modelopt_algo(algo: Any, group_size: Any, source: str, where: str) -> str:
 
 def _modelopt(q: dict[str, Any], source: str) -> QuantConfig:
     algo = q.get("quant_algo")
-    exclude = list(q.get("exclude_modules") or q.get("ignore") or [])
+    key = "exclude_modules" if q.get("exclude_modules") else "ignore"
+    exclude = _names(q.get(key), source, key)
     if algo == MIXED:
         layers_raw = q.get("quantized_layers")
         if not isinstance(layers_raw, dict):
             raise CheckpointError(f"{source}: quant_algo {MIXED} needs a 'quantized_layers' object")
-        layers = {
-            name: _modelopt_algo(
-                entry.get("quant_algo"), entry.get("group_size"), source, f"quantized_layers[{name!r}] "
+        _names(list(layers_raw), source, "quantized_layers")  # checks its `re:` keys
+        layers: dict[str, str] = {}
+        for name, entry in layers_raw.items():
+            where = f"quantized_layers[{name!r}]"
+            entry = _object(entry, source, where)
+            layers[name] = _modelopt_algo(
+                entry.get("quant_algo"), entry.get("group_size"), source, where + " "
             )
-            for name, entry in layers_raw.items()
-        }
         return QuantConfig(MODELOPT, source, None, layers, exclude)
     return QuantConfig(MODELOPT, source, _modelopt_algo(algo, q.get("group_size"), source, ""), {}, exclude)
 
@@ -167,11 +202,13 @@ def _compressed_tensors(q: dict[str, Any], source: str) -> QuantConfig:
     groups = q.get("config_groups") or {}
     if not groups:
         raise CheckpointError(f"{source}: compressed-tensors config has no 'config_groups'")
+    _object(groups, source, "config_groups")
     layers: dict[str, str] = {}
     default = None
     for gname, group in groups.items():
+        group = _object(group, source, f"config_groups[{gname!r}]")
         gfmt = group.get("format") or fmt
-        w = group.get("weights") or {}
+        w = _object(group.get("weights") or {}, source, f"config_groups[{gname!r}].weights")
         nvfp4 = (
             w.get("num_bits") == 4
             and w.get("type") == "float"
@@ -185,9 +222,9 @@ def _compressed_tensors(q: dict[str, Any], source: str) -> QuantConfig:
                 f"supported; supported: format {CT_FORMAT} with 4-bit float tensor_group weights, "
                 "group_size 16"
             )
-        for target in group.get("targets") or []:
+        for target in _names(group.get("targets"), source, f"config_groups[{gname!r}].targets"):
             if target == "Linear":
                 default = NVFP4
             else:
                 layers[target] = NVFP4
-    return QuantConfig(COMPRESSED_TENSORS, source, default, layers, list(q.get("ignore") or []))
+    return QuantConfig(COMPRESSED_TENSORS, source, default, layers, _names(q.get("ignore"), source, "ignore"))

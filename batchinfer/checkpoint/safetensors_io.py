@@ -188,6 +188,16 @@ def _read_index(index: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{index}: not valid JSON ({e})") from None
     except (KeyError, TypeError):
         raise CheckpointError(f"{index}: missing the 'weight_map' object") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index}: 'weight_map' is a {type(weight_map).__name__}, expected an object of tensor name -> "
+            "shard file name"
+        )
+    bad = next((n for n, f in weight_map.items() if not isinstance(f, str)), None)
+    if bad is not None:
+        raise CheckpointError(
+            f"{index}: weight_map[{bad!r}] is {weight_map[bad]!r}, expected a shard file name (a string)"
+        )
     headers: dict[str, dict[str, TensorInfo]] = {}
     infos: dict[str, TensorInfo] = {}
     for name, fname in weight_map.items():

@@ -93,14 +93,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Parse a Hugging Face config dict; `source` names the file in error messages."""
-        try:
-            return cls._parse_hf(raw, source)
-        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # e.g. "x" for an int
-            raise ConfigError(f"{source}: malformed config: {e}") from None
-
-    @classmethod
-    def _parse_hf(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        """Parse a Hugging Face config dict; `source` names the file in error messages. Each field is
+        checked by name as it is read, so a bad value is reported as that field, not as a later crash."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, found {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -108,6 +104,8 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         text = raw.get("text_config") or raw
+        if not isinstance(text, dict):
+            raise ConfigError(f"{source}: text_config is {text!r}, expected an object")
         if model_type == "qwen3_5_moe_text" or text.get("model_type") == "qwen3_5_moe_text":
             model_type = "qwen3_5_moe"
 
@@ -116,75 +114,121 @@ class ModelConfig:
                 raise ConfigError(f"{source}: missing required field {key!r} for model_type {model_type}")
             return text[key]
 
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        def integer(key: str, value: Any, low: int = 1) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{source}: {key} is {value!r}, expected an integer >= {low}")
+            return value
+
+        def number(key: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{source}: {key} is {value!r}, expected a positive number")
+            return float(value)
+
+        def flag(key: str, value: Any) -> bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{source}: {key} is {value!r}, expected true or false")
+            return value
+
+        def token_id(key: str) -> int | None:
+            value = text.get(key, raw.get(key))
+            return None if value is None else integer(key, value, 0)
+
+        rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+        rope = text.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: {rope_key} is {rope!r}, expected an object")
         if rope.get("rope_type", "default") not in ("default", None):
             raise ConfigError(
                 f"{source}: rope_type {rope.get('rope_type')!r} is not supported; supported: default"
             )
-        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
-        num_layers = int(need("num_hidden_layers"))
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = int(text.get("head_dim") or hidden // heads)
+        rope_theta = number("rope_theta", rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+        num_layers = integer("num_hidden_layers", need("num_hidden_layers"))
+        hidden = integer("hidden_size", need("hidden_size"))
+        heads = integer("num_attention_heads", need("num_attention_heads"))
+        head_dim = integer("head_dim", text.get("head_dim") or hidden // heads)
         eos = raw.get("eos_token_id", text.get("eos_token_id"))
-        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        eos_ids = [
+            integer("eos_token_id", e, 0)
+            for e in ([] if eos is None else eos if isinstance(eos, list) else [eos])
+        ]
 
         if model_type == "qwen3_moe":
-            if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
+            sparse_step = integer("decoder_sparse_step", text.get("decoder_sparse_step", 1))
+            if text.get("mlp_only_layers") or sparse_step != 1:
                 raise ConfigError(
                     f"{source}: dense MLP layers (mlp_only_layers/decoder_sparse_step) are not supported; "
                     "every layer must be MoE as in Qwen3-30B-A3B"
                 )
             layer_types = ["full_attention"] * num_layers
-            partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
+            partial_default = 1.0
             extra: dict[str, Any] = dict(
                 attn_output_gate=False,
                 shared_expert_intermediate_size=0,
-                norm_topk_prob=bool(text.get("norm_topk_prob", False)),
+                norm_topk_prob=flag("norm_topk_prob", text.get("norm_topk_prob", False)),
             )
         else:
             layer_types = text.get("layer_types")
             if layer_types is None:
-                interval = int(text.get("full_attention_interval", 4))
+                interval = integer("full_attention_interval", text.get("full_attention_interval", 4))
                 layer_types = [
                     "full_attention" if (i + 1) % interval == 0 else "linear_attention"
                     for i in range(num_layers)
                 ]
-            partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
-            extra = dict(
-                attn_output_gate=bool(text.get("attn_output_gate", True)),
-                shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0)),
-                norm_topk_prob=True,  # the Qwen3.5 router always renormalises its top-k weights
-                linear_num_key_heads=int(need("linear_num_key_heads")),
-                linear_num_value_heads=int(need("linear_num_value_heads")),
-                linear_key_head_dim=int(need("linear_key_head_dim")),
-                linear_value_head_dim=int(need("linear_value_head_dim")),
-                linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
+            elif not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+                raise ConfigError(f"{source}: layer_types is {layer_types!r}, expected a list of strings")
+            partial_default = 0.25
+            linear = (
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_conv_kernel_dim",
             )
+            extra = dict(
+                attn_output_gate=flag("attn_output_gate", text.get("attn_output_gate", True)),
+                shared_expert_intermediate_size=integer(
+                    "shared_expert_intermediate_size", text.get("shared_expert_intermediate_size", 0), 0
+                ),
+                norm_topk_prob=True,  # the Qwen3.5 router always renormalises its top-k weights
+                **{key: integer(key, need(key)) for key in linear},
+            )
+        partial = number(
+            "partial_rotary_factor",
+            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", partial_default)),
+        )
+        if partial > 1:
+            raise ConfigError(f"{source}: partial_rotary_factor is {partial}, expected at most 1")
         # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts
         experts_key = "num_local_experts" if "num_local_experts" in text else "num_experts"
-        return cls(
+        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        fields = dict(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=integer("vocab_size", need("vocab_size")),
             hidden_size=hidden,
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(need("num_key_value_heads")),
+            num_key_value_heads=integer("num_key_value_heads", need("num_key_value_heads")),
             head_dim=head_dim,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=number("rms_norm_eps", text.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            max_position_embeddings=integer(
+                "max_position_embeddings", text.get("max_position_embeddings", 32768)
+            ),
+            tie_word_embeddings=flag("tie_word_embeddings", tie),
             layer_types=list(layer_types),
-            num_experts=int(need(experts_key)),
-            num_experts_per_tok=int(need("num_experts_per_tok")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_experts=integer(experts_key, need(experts_key)),
+            num_experts_per_tok=integer("num_experts_per_tok", need("num_experts_per_tok")),
+            moe_intermediate_size=integer("moe_intermediate_size", need("moe_intermediate_size")),
             eos_token_ids=eos_ids,
-            bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
-            pad_token_id=text.get("pad_token_id", raw.get("pad_token_id")),
+            bos_token_id=token_id("bos_token_id"),
+            pad_token_id=token_id("pad_token_id"),
             **extra,
         )
+        try:
+            return cls(**fields)
+        except ConfigError as e:  # __post_init__'s cross-field checks do not know the file
+            raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -197,6 +241,6 @@ class ModelConfig:
             raise ConfigError(
                 f"{file}: no config.json found (is {path} a Hugging Face checkpoint folder?)"
             ) from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{file}: not valid JSON ({e})") from None
         return cls.from_hf(raw, source=str(file))

@@ -45,6 +45,12 @@ def expected_shapes(config: Sam3Config) -> dict[str, tuple[int, ...]]:
 
 
 def _read_raw(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    if path.is_dir():
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".pt", ".safetensors"))[:3]
+        raise CheckpointError(
+            f"{path}: is a folder; expected a SAM 3 checkpoint file (Meta's sam3.pt or sam3.1_multiplex.pt, "
+            f"or a .safetensors file){'; it holds ' + ', '.join(found) if found else ''}"
+        )
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if path.suffix == ".safetensors":
@@ -66,6 +72,22 @@ def _read_raw(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return {k: v for k, v in raw.items() if isinstance(v, Tensor)}, {}
 
 
+def _stored_config(path: Path, stored: str) -> Sam3Config:
+    where = f"{path}: {CONFIG_METADATA_KEY} metadata"
+    try:
+        raw = json.loads(stored)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(
+            f"{where} is a {type(raw).__name__}, expected a JSON object of Sam3Config fields"
+        )
+    try:
+        return Sam3Config.from_dict(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
 def load_sam3_state_dict(
     path: str | Path, config: Sam3Config | None = None
 ) -> tuple[dict[str, Tensor], Sam3Config]:
@@ -76,7 +98,7 @@ def load_sam3_state_dict(
     raw, metadata = _read_raw(path)
     if config is None:
         stored = metadata.get(CONFIG_METADATA_KEY)
-        config = Sam3Config.from_dict(json.loads(stored)) if stored else Sam3Config.real()
+        config = Sam3Config.real() if stored is None else _stored_config(path, stored)
     state: dict[str, Tensor] = {}
     for key, tensor in raw.items():
         prefix = next((p for p in PREFIXES if key.startswith(p)), None)

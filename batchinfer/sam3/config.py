@@ -41,6 +41,9 @@ class Sam3Config:
     scorer_mlp_dim: int = 2048
 
     def __post_init__(self) -> None:
+        small = [f for f, v in asdict(self).items() if isinstance(v, int) and v < 1]
+        if small:
+            raise ValueError(f"{', '.join(small)} must be at least 1")
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"
@@ -100,10 +103,22 @@ class Sam3Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Sam3Config:
+        """Parse `to_json()` output. Every field is required: every writer stores all of them, and a
+        default here would be the real model's shape, which a tiny file's tensors then fail to match."""
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown Sam3Config fields {unknown}")
-        fields = dict(raw)
-        if "vit_global_blocks" in fields:
-            fields["vit_global_blocks"] = tuple(fields["vit_global_blocks"])
-        return cls(**fields)
+        missing = [f for f in cls.__dataclass_fields__ if f not in raw]
+        if missing:
+            raise ValueError(f"missing Sam3Config fields {missing}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name, value in raw.items():
+            if name == "vit_global_blocks":
+                if not isinstance(value, list) or not all(map(is_int, value)):
+                    raise ValueError(f"field {name} is {value!r}, expected a list of integers")
+            elif not is_int(value):
+                raise ValueError(f"field {name} is {value!r}, expected an integer")
+        return cls(**{**raw, "vit_global_blocks": tuple(raw["vit_global_blocks"])})
