@@ -22,6 +22,7 @@ from typing import IO
 
 from batchinfer.jobs import attempts
 from batchinfer.jobs.plan import Plan
+from batchinfer.jobs.worker import EXIT_STOPPED
 
 import batchinfer
 from batchinfer.errors import InputError
@@ -154,4 +155,7 @@ def run_on_gpus(job_dir: str | os.PathLike[str], gpus: Sequence[str], extra_args
         log.warning(
             "%d shards are not done yet (first: %05d); rerun the same command to continue", len(left), left[0]
         )
+    elif set(failed.values()) == {EXIT_STOPPED}:  # stopped while others finished the last shards: done
+        log.info("every shard of %s is done", job_dir)
+        return 0
     return max(failed.values(), key=abs) if failed else 0

@@ -30,8 +30,11 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_ROWS = 100_000  # default shard size: a few GPU-hours at most, so requeues lose little
 DEFAULT_CHUNK_ROWS = 1000  # rows per committed file: a kill loses at most this much work
 DEFAULT_ENGINE = "batchinfer.engine.loader:load_engine"
-# what a checkpoint folder's model is made of: config and quantization JSON, weights, tokenizer files
-MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".pt", ".pth", ".bin", ".model", ".tiktoken", ".txt")
+# what a checkpoint folder's model is made of: config and quantization JSON, weights, tokenizer files,
+# chat template
+MODEL_FILE_SUFFIXES = (
+    ".json", ".jinja", ".safetensors", ".pt", ".pth", ".bin", ".model", ".tiktoken", ".txt"
+)  # fmt: skip
 _NOT_HASHED = ("plan_id", "created_at", "batchinfer_version")
 
 
@@ -244,7 +247,10 @@ def model_files(model_path: str) -> dict[str, str]:
     found = [p] if p.is_file() else [
         f for f in sorted(p.iterdir()) if f.is_file() and f.suffix in MODEL_FILE_SUFFIXES and f.name[0] != "."
     ]  # fmt: skip
-    return {f.name: inputs.fingerprint(f, f.stat().st_size) for f in found}
+    try:
+        return {f.name: inputs.fingerprint(f, f.stat().st_size) for f in found}
+    except OSError as e:
+        raise InputError(f"--model {model_path}: cannot read {e.filename} ({e.strerror})") from None
 
 
 def _model_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:

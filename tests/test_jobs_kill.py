@@ -121,10 +121,11 @@ def test_stop_signal_during_the_last_chunk_exits_0_once_everything_is_done(tmp_p
     out, args = _job(tmp_path, delay="0.05", shards="1", chunk_rows=str(ROWS))  # one chunk of ~6 s
     proc = _start(args)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if json.loads(run_cli("status", str(out), "--json").stdout or "{}").get("shards_running") == 1:
-            break
+    running = False
+    while not running and time.monotonic() < deadline:
+        running = json.loads(run_cli("status", str(out), "--json").stdout or "{}").get("shards_running") == 1
         time.sleep(0.05)
+    assert running, "the run never started its shard"
     time.sleep(1.0)  # inside the chunk
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from batchinfer.jobs import attempts, commit, local
+from batchinfer.jobs.lock import lock_path
 from test_slurm import make_job
 
 from batchinfer.errors import InputError
@@ -133,3 +134,20 @@ def test_usr2_stops_every_worker_at_a_chunk_boundary_and_a_rerun_finishes(tmp_pa
     assert local.run_on_gpus(plan.job_dir, ["0", "1"]) == 0
     assert attempts.incomplete_shards(plan) == []
     assert _output_ids(plan.job_dir) == list(range(64))  # no row lost or duplicated by the stop
+
+
+def test_a_stop_during_the_last_chunks_of_every_worker_exits_0(tmp_path):
+    """Each worker finishes its last chunk after the stop; one may still see the other's shard unfinished
+    and exit 75, but the parent finds every shard done: nothing to requeue, exit 0."""
+    plan = make_job(tmp_path, rows=40, shards=2, chunk_rows=20, engine_args={"delay": "0.2"})  # ~4 s a chunk
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(plan.job_dir)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all(lock_path(plan.job_dir, s).exists() for s in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert time.monotonic() < deadline, "the workers never took their shards"
+    time.sleep(1.0)  # both inside their only chunk
+    proc.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=60)
+    assert attempts.incomplete_shards(plan) == [], err
+    assert proc.returncode == 0, err
+    assert _output_ids(plan.job_dir) == list(range(40))

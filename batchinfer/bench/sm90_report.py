@@ -263,6 +263,8 @@ def _gdn_launches() -> Iterator[tuple]:
     rule = lambda state, **kw: gdn.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, **kw)
     s32, s16 = torch.zeros(T, Hv, D, D), torch.zeros(T, Hv, D, D, dtype=torch.bfloat16)
     yield "decode, fp32 state", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots)
+    few = lambda: gdn.gated_delta_rule(q[:8], k[:8], v[:8], a[:8], b[:8], a_log, dt_bias, s32, slots[:8])
+    yield "decode, fp32 state, 8 rows", gdn._delta_rule_kernel, few  # the tile under 32 rows
     yield "decode, bf16 state", gdn._delta_rule_kernel, lambda: rule(s16, slot_ids=slots)
     past = torch.full((1,), 100, dtype=torch.int32)  # a later piece of a chunked prefill
     yield "prefill", gdn._delta_rule_kernel, lambda: rule(s32, slot_ids=slots[:1], cu_seqlens=cu)

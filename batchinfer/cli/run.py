@@ -51,7 +51,10 @@ def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
     status = "error"
     try:
         results = worker.run_shards(plan, todo, engine, stop=stop, progress=progress)
-        status = "stopped" if stop else "done"
+        left = set(attempts.incomplete_shards(plan))
+        remaining = [s for s in todo if s in left]
+        # a stop after the last chunk committed leaves nothing to requeue: done, exit 0
+        status = "stopped" if stop and remaining else "done"
     finally:
         progress.close(status)
     locked = [r.shard for r in results if r.status == "locked"]
@@ -65,9 +68,7 @@ def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
         click.echo(
             f"{len(locked)} shard(s) are being worked on by other runners (first: {locked[0]:05d})", err=True
         )
-    left = set(attempts.incomplete_shards(plan))
-    remaining = [s for s in todo if s in left]
-    if stop and remaining:  # a stop after the last chunk committed leaves nothing to requeue: exit 0 below
+    if status == "stopped":
         by = f"by {signal.Signals(stop.signum).name}" if stop.signum else "on request"
         click.echo(f"stopped {by}; rerun to continue (exit {worker.EXIT_STOPPED})", err=True)
         return worker.EXIT_STOPPED
