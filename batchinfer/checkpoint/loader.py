@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -107,9 +108,11 @@ def load_checkpoint(
         )
     quant = read_quant_config(dict(raw) if raw else None, folder)
     plan = _plan(cfg, tensors.infos, quant, where)
+    start = time.monotonic()
     weights = _materialize(plan, tensors, device, dtype)
     tensors.close()
-    log.info("loaded %d weights from %s (%s)", len(weights), where, quant.method if quant else "unquantized")
+    log.info("loaded %d weights from %s (%s) in %.1f s, checked finite", len(weights), where,
+             quant.method if quant else "unquantized", time.monotonic() - start)  # fmt: skip
     return cfg, weights
 
 
