@@ -194,6 +194,34 @@ def test_breakdown_groups_every_deltanet_kernel_as_its_rule():
     assert len(rule) >= 6 and {_group(n, GROUPS) for n in rule} == {"deltanet rule"}
 
 
+def test_breakdown_groups_every_engine_kernel():
+    # session 23's profile filed the one-row FP8/NVFP4 GEMVs (740 us of a 2.3 ms step), the KV-cache store
+    # and the sampler's launches under "other", and our FP8 tile GEMM under cuBLAS
+    import importlib
+    import pkgutil
+
+    from batchinfer import kernels
+    from batchinfer.bench.breakdown import GROUPS, _group
+
+    found = [m.name for m in pkgutil.iter_modules(kernels.__path__)]
+    mods = [importlib.import_module(f"batchinfer.kernels.{n}") for n in found if n != "fp8_quant"]  # images'
+    names = {n for mod in mods for n in vars(mod) if n.startswith("_") and n.endswith("_kernel")}
+    assert len(names) >= 35 and not [n for n in names if _group(n, GROUPS) == "other"]
+    expect = {
+        "_fp8_gemv_kernel": "projections (ours)",
+        "_nvfp4_gemv_kernel": "projections (ours)",
+        "_fp8_gemm_kernel": "projections (ours)",
+        "_fp8_rows_mm_kernel": "projections (ours)",
+        "_store_kv_kernel": "kv cache write",
+        "_moe_offsets_kernel": "moe route + align",
+        "_sum_slots_kernel": "moe experts",
+        "_decode_combine_kernel": "attention",
+        "_draw_kernel": "sampling",
+        "nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT": "gemm (cuBLAS)",
+    }
+    assert {n: _group(n, GROUPS) for n in expect} == expect
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cli_breakdown_profiles_each_batch_and_a_pass(tmp_path):

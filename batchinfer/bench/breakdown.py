@@ -20,10 +20,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from batchinfer.engine.kernel_model import KernelModel
 
-# Kernel-name patterns -> group, first match wins (Triton kernels keep their Python names).
+# Kernel-name patterns -> group, first match wins (Triton kernels keep their Python names). Our own
+# projection kernels come before "moe experts" ("dequant") and cuBLAS's "gemm", which their names hold.
 GROUPS = (
-    ("moe route + align", r"moe_route|moe_align|_align"),
-    ("moe experts", r"moe|dequant"),
+    ("moe route + align", r"moe_route|moe_align|_align|moe_hist|moe_offsets|moe_scatter"),
+    ("projections (ours)", r"fp8_gemv|nvfp4_gemv|fp8_gemm|nvfp4_gemm|fp8_rows_mm|fp8_dequant"),
+    ("moe experts", r"moe|dequant|sum_slots|silu_mul|^_combine_kernel"),
     ("attention", r"attn|attention|decode_combine"),
     ("q/k norm + rope", r"qk_norm_rope"),
     ("deltanet conv", r"conv1d"),
@@ -31,9 +33,9 @@ GROUPS = (
     ("gated rmsnorm", r"gated_rmsnorm"),
     ("add + rmsnorm", r"rmsnorm"),
     ("embedding", r"embedding"),
-    ("sampling", r"argmax|partial_kernel|init_kernel|_sample"),
+    ("sampling", r"argmax|partial_kernel|init_kernel|_sample|_search_kernel|_draw_kernel|_finish_kernel"),
     ("gemm (cuBLAS)", r"gemm|sm90_xmma|cutlass|nvjet|cublas|matmul"),
-    ("kv cache write", r"index_put|scatter|indexing"),
+    ("kv cache write", r"store_kv|index_put|scatter|indexing"),
 )
 
 
