@@ -83,6 +83,20 @@ def test_run_status_query_export(tmp_path):
     assert pq.read_metadata(exp).metadata[b"batchinfer.plan_id"]
 
 
+def test_quiet_keeps_the_shard_logs(tmp_path):
+    """-q quiets stderr (the cron lines of docs/JOBS.md and docs/SLURM.md use it); each shard's log file
+    still records its chunk commits."""
+    write_inputs(tmp_path, files=1, rows=12)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    r = run_cli("-q", *echo_args(tmp_path, out, "--shards", "2", "--chunk-rows", "3"))
+    assert r.returncode == 0, r.stderr
+    assert "INFO" not in r.stderr
+    for shard in range(2):
+        text = (out / f"logs/shard-{shard:05d}.log").read_text()
+        assert text.count(f"shard {shard:05d} attempt 1 chunk") == 2 and "done" in text
+
+
 def test_export_refuses_unfinished_job_unless_partial(tmp_path):
     write_inputs(tmp_path, files=2, rows=10)
     model_dir(tmp_path)

@@ -46,9 +46,17 @@ class LazyGroup(click.Group):
 def cli(verbose: int, quiet: bool) -> None:
     """Offline batch inference for Qwen MoE models: Parquet in, resumable sharded jobs, Parquet out."""
     level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    root = logging.getLogger()
+    if root.handlers:  # configured already (as logging.basicConfig, the first call decides)
+        return
+    # -q and -v set what stderr shows; batchinfer's own loggers still pass INFO on, so the per-shard
+    # log files (DIR/logs/shard-NNNNN.log, jobs.worker) keep their lines under -q too.
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.setLevel(level)
+    stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(stderr)
+    root.setLevel(level)
+    logging.getLogger("batchinfer").setLevel(min(level, logging.INFO))
 
 
 def main(prog_name: str | None = None) -> None:
