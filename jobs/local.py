@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 
-def worker_argv(job_dir: Path) -> list[str]:
-    """This installation's `batchinfer run --output DIR`: the resumable runner every executor starts. The
+def worker_argv(job_dir: Path, log_flags: Sequence[str] = ()) -> list[str]:
+    """This installation's `batchinfer [LOG_FLAGS] run --output DIR`: the resumable runner every executor
+    starts (`log_flags`: the parent's -q or -v, which go before the command). The
     console script next to this Python, else the one on PATH, else this Python importing the batchinfer
     this process runs (an install without scripts, or a checkout on PYTHONPATH whose `batchinfer/` links
     `kernels`, `jobs` and `schemas` in): its folder goes first on the worker's path only where the worker
@@ -49,9 +50,10 @@ def worker_argv(job_dir: Path) -> list[str]:
                 f"or sys.path.insert(0, {str(init.parents[1])!r}); "
                 "from batchinfer.cli import main; main('batchinfer')"
             )
-            return [str(Path(sys.executable).absolute()), "-c", boot, "run", "--output", str(job_dir)]
+            command = [str(Path(sys.executable).absolute()), "-c", boot]
+            return [*command, *log_flags, "run", "--output", str(job_dir)]
         exe = Path(found)
-    return [str(exe.absolute()), "run", "--output", str(job_dir)]
+    return [str(exe.absolute()), *log_flags, "run", "--output", str(job_dir)]
 
 
 def visible_gpus() -> list[str]:
@@ -108,13 +110,19 @@ def _relay(stream: IO[str], prefix: str) -> None:
         sys.stderr.flush()
 
 
-def run_on_gpus(job_dir: str | os.PathLike[str], gpus: Sequence[str], extra_args: Sequence[str] = ()) -> int:
+def run_on_gpus(
+    job_dir: str | os.PathLike[str],
+    gpus: Sequence[str],
+    extra_args: Sequence[str] = (),
+    log_flags: Sequence[str] = (),
+) -> int:
     """Run one `batchinfer run --output DIR` worker per GPU until all exit; 0 if every one succeeded.
 
-    `extra_args` are passed to every worker (e.g. `["--progress", "json"]`).
+    `extra_args` are passed to every worker's `run` (e.g. `["--progress", "json"]`), `log_flags` (-q, -v)
+    to its `batchinfer`, so a quiet parent's workers are quiet too.
     """
     job_dir = Path(job_dir).resolve()
-    argv = [*worker_argv(job_dir), *extra_args]
+    argv = [*worker_argv(job_dir, log_flags), *extra_args]
     procs: list[tuple[str, subprocess.Popen[str]]] = []
     relays: list[threading.Thread] = []
 

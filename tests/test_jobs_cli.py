@@ -323,6 +323,17 @@ def test_gpus_runs_one_worker_per_device(tmp_path):
     assert (s["rows_done"], s["shards_done"]) == (20, 4)
 
 
+def test_gpus_workers_are_as_quiet_as_their_parent(tmp_path):
+    write_inputs(tmp_path, files=1, rows=8)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    r = run_cli("-q", *echo_args(tmp_path, out, "--shards", "2", "--gpus", "all"),
+                env={"CUDA_VISIBLE_DEVICES": "0,1"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "INFO" not in r.stderr, r.stderr  # the workers' lines reach the parent's stderr as [gpu N] ...
+    assert "shard 00000 attempt 1 chunk" in (out / "logs/shard-00000.log").read_text()
+
+
 def test_eval_refuses_unknown_engine_arg_before_writing_anything(tmp_path):
     r = run_cli(
         "eval", "-m", str(tmp_path / "model"), "-o", str(tmp_path / "ev"), "--engine-arg", "devic=cpu"

@@ -187,7 +187,9 @@ def run_command(
         devices = local.parse_gpus(gpus)
         extra = ["--progress", "json" if progress_mode == "json" else "none"]
         extra += [a for s in shard_ids for a in ("--shard", str(s))]
-        sys.exit(local.run_on_gpus(plan.job_dir, devices, extra))
+        top = click.get_current_context().find_root().params  # batchinfer's own -q / -v
+        log_flags = ["-q"] if top.get("quiet") else ["-v"] * top.get("verbose", 0)
+        sys.exit(local.run_on_gpus(plan.job_dir, devices, extra, log_flags))
     code = execute(plan, list(shard_ids) or list(range(plan.num_shards)), progress_mode or default_progress())
     sys.exit(code)
 
