@@ -77,3 +77,11 @@ def test_user_errors_are_one_line_exit_2(tmp_path):
     r = run_cli("run", "-o", str(out), "-i", str(d), "-m", str(tmp_path))  # text flags on an image job
     assert r.returncode == 2 and "an image job; resume it with `batchinfer run --output" in r.stderr
     assert run_cli("run", "-o", str(out), "--progress", "none").returncode == 0  # a plain resume still runs
+
+
+def test_default_engine_without_model_is_refused_before_any_plan(tmp_path):
+    d = image_folder(tmp_path, n=1)
+    out = tmp_path / "out"
+    r = run_cli("segment", "-i", str(d), "-o", str(out), "-p", "red", "--progress", "none")
+    assert r.returncode == 2 and "needs --model" in r.stderr, r.stderr
+    assert not out.exists()  # else adding --model is refused as a different job (a plan without a model)
