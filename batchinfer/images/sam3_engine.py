@@ -30,7 +30,10 @@ def load_engine(
 
     if not model_path:
         raise ConfigError("the SAM 3 engine needs --model (a sam3.pt or safetensors checkpoint)")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    batch = int(batch_size) if str(batch_size).strip().isdigit() else 0
+    if batch < 1:
+        raise ConfigError(f"--engine-arg batch_size={batch_size!r}: expected a whole number >= 1")
+    device = _device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--engine-arg dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -51,4 +54,17 @@ def load_engine(
         "image_size": str(model.config.image_size),
         "mask_threshold": "0.5",  # sigmoid of the upsampled mask logits (Meta's Sam3Processor)
     }
-    return SegmenterEngine(model, facts, batch_size=int(batch_size))
+    return SegmenterEngine(model, facts, batch_size=batch)
+
+
+def _device(device: str) -> str:
+    """The device to load on (default cuda when there is one), checked before the model is read."""
+    if not device:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ConfigError(f"--engine-arg device={device!r}: not a device; expected cpu or cuda[:N]") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--engine-arg device={device!r}: torch sees no CUDA GPU on this machine")
+    return device
