@@ -85,3 +85,10 @@ def test_default_engine_without_model_is_refused_before_any_plan(tmp_path):
     r = run_cli("segment", "-i", str(d), "-o", str(out), "-p", "red", "--progress", "none")
     assert r.returncode == 2 and "needs --model" in r.stderr, r.stderr
     assert not out.exists()  # else adding --model is refused as a different job (a plan without a model)
+
+
+def test_shared_commands_help_says_what_image_jobs_get():
+    """query, export, retry-errors and status serve image jobs too; their help said one row per id."""
+    for command in ("query", "export", "retry-errors", "status"):
+        text = " ".join(run_cli(command, "--help").stdout.split())
+        assert "image jobs" in text, command
