@@ -85,12 +85,10 @@ def segment_command(
     else:
         if not given.get("inputs"):
             raise InputError(f"{job_dir}: a new image job needs --input")
-        if (given.get("engine") or DEFAULT_IMAGE_ENGINE) == DEFAULT_IMAGE_ENGINE and not given.get("model"):
-            # refused now: a plan without a model could never run, and adding --model later changes it
-            raise InputError(
-                f"{job_dir}: the default engine ({DEFAULT_IMAGE_ENGINE}) needs --model, a SAM 3 "
-                "checkpoint (sam3.pt or .safetensors); --engine picks a model-free engine"
-            )
+        if (given.get("engine") or DEFAULT_IMAGE_ENGINE) == DEFAULT_IMAGE_ENGINE:
+            from batchinfer.images.sam3_engine import check_model
+
+            check_model(given.get("model", ""))  # else a plan that cannot run, and --model later changes it
         candidate = _build(job_dir, given, None, check_rows=True)
         if force_new_plan:
             plans.set_aside(job_dir)

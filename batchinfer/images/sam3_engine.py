@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -28,8 +29,7 @@ def load_engine(
     from batchinfer.sam3.fp8 import VIT_MODES, use_fp8_vit
     from batchinfer.sam3.model import Sam3Model
 
-    if not model_path:
-        raise ConfigError("the SAM 3 engine needs --model (a sam3.pt or safetensors checkpoint)")
+    check_model(model_path)
     batch = int(batch_size) if str(batch_size).strip().isdigit() else 0
     if batch < 1:
         raise ConfigError(f"--engine-arg batch_size={batch_size!r}: expected a whole number >= 1")
@@ -55,6 +55,20 @@ def load_engine(
         "mask_threshold": "0.5",  # sigmoid of the upsampled mask logits (Meta's Sam3Processor)
     }
     return SegmenterEngine(model, facts, batch_size=batch)
+
+
+def check_model(model_path: str) -> None:
+    """What the engine needs of --model, also checked before a plan records it: a plan can never run
+    without a usable model, and rerunning with another --model is a different job."""
+    if not model_path:
+        raise ConfigError("the SAM 3 engine needs --model (a sam3.pt or safetensors checkpoint)")
+    folder = Path(model_path).expanduser()
+    if folder.is_dir():
+        found = sorted(p.name for p in folder.iterdir() if p.suffix in (".pt", ".safetensors"))[:3]
+        raise ConfigError(
+            f"--model {model_path}: is a folder; the SAM 3 engine needs the checkpoint file (sam3.pt or a "
+            f".safetensors file){'; it holds ' + ', '.join(found) if found else ''}"
+        )
 
 
 def _device(device: str) -> str:
