@@ -169,7 +169,13 @@ def _check_ids(
             )
         if check_file is not None:
             check_file(f.path, pf, col)
-        arrays.append(col.cast(id_arrow_type))
+        try:
+            arrays.append(col.cast(id_arrow_type))
+        except pa.ArrowInvalid as e:  # uint64 above 2**63 - 1: the output id column is int64
+            raise InputError(
+                f"{f.path}: column 'id' ({col.type}) does not fit the output's {id_arrow_type} ({e}); "
+                "use ids in the int64 range, or cast them to strings"
+            ) from None
     ids = pa.chunked_array(arrays, type=id_arrow_type)
     counts = pc.value_counts(ids)
     dup = counts.filter(pc.greater(counts.field("counts"), 1))

@@ -77,3 +77,23 @@ def test_user_errors_are_one_line_exit_2(tmp_path):
     r = run_cli("run", "-o", str(out), "-i", str(d), "-m", str(tmp_path))  # text flags on an image job
     assert r.returncode == 2 and "an image job; resume it with `batchinfer run --output" in r.stderr
     assert run_cli("run", "-o", str(out), "--progress", "none").returncode == 0  # a plain resume still runs
+
+
+def test_default_engine_without_a_model_file_is_refused_before_any_plan(tmp_path):
+    d = image_folder(tmp_path, n=1)
+    out = tmp_path / "out"
+    r = run_cli("segment", "-i", str(d), "-o", str(out), "-p", "red", "--progress", "none")
+    assert r.returncode == 2 and "needs --model" in r.stderr, r.stderr
+    assert not out.exists()  # else adding --model is refused as a different job (a plan without a model)
+    (tmp_path / "sam3").mkdir()
+    (tmp_path / "sam3" / "sam3.safetensors").write_bytes(b"")
+    r = run_cli("segment", "-i", str(d), "-o", str(out), "-p", "red", "-m", str(tmp_path / "sam3"))
+    assert r.returncode == 2 and "is a folder" in r.stderr and "it holds sam3.safetensors" in r.stderr
+    assert not out.exists()
+
+
+def test_shared_commands_help_says_what_image_jobs_get():
+    """query, export, retry-errors and status serve image jobs too; their help said one row per id."""
+    for command in ("query", "export", "retry-errors", "status"):
+        text = " ".join(run_cli(command, "--help").stdout.split())
+        assert "image jobs" in text, command

@@ -51,3 +51,15 @@ def test_decompression_bomb_is_an_error_value(monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 96 x 64 > 2 x 1000 pixels
     d = load(encoded(0), "", None)
     assert d.image is None and "DecompressionBombError" in d.error
+
+
+def test_16_bit_greyscale_is_scaled_not_clipped(tmp_path):
+    levels = np.array([[0, 257 * 29, 257 * 76, 65535]], dtype=np.uint16)  # 8-bit 0, 29, 76, 255 scaled up
+    Image.fromarray(levels).save(tmp_path / "g16.png")
+    Image.fromarray(levels).save(tmp_path / "g16.tif")
+    Image.fromarray(levels.astype(np.int32)).save(tmp_path / "g32.tif")  # opens as mode "I"
+    for name in ("g16.png", "g16.tif", "g32.tif"):
+        d = load(name, str(tmp_path), None)
+        assert d.error is None and d.image.shape == (1, 4, 3), name
+        assert d.image[0, :, 0].tolist() == [0, 29, 76, 255], name
+        assert (d.image == d.image[..., :1]).all()

@@ -1,7 +1,10 @@
 """The SAM 3 engine (tiny random weights, CPU) through the whole image job path: masks, boxes, presence."""
 
+import re
+
 import numpy as np
 import pytest
+import torch
 from batchinfer.jobs import plan as plans
 from batchinfer.jobs import query, worker
 from images_fixtures import image_folder
@@ -47,6 +50,21 @@ def test_sam3_job_on_cpu(tmp_path):
 def test_sam3_engine_needs_a_model():
     with pytest.raises(ConfigError, match="needs --model"):
         load_engine("")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"batch_size": "8x"}, "batch_size='8x': expected a whole number >= 1"),
+        ({"batch_size": "0"}, "batch_size='0': expected a whole number >= 1"),
+        ({"device": "gpu"}, "device='gpu': not a device; expected cpu or cuda[:N]"),
+    ]
+    + ([] if torch.cuda.is_available() else [({"device": "cuda"}, "device='cuda': torch sees no CUDA GPU")]),
+)
+def test_sam3_engine_args_are_config_errors_before_loading(args, message):
+    """A mistyped --engine-arg is the one-line error of every engine, not a traceback from int() or CUDA."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_engine("/nonexistent/sam3.safetensors", **args)
 
 
 def test_sam3_engine_fp8_vit(tmp_path):

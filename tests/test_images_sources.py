@@ -56,3 +56,16 @@ def test_manifest_is_stable_and_follows_changes(tmp_path):
     assert sources.write_manifest(job, sources.split_inputs([str(d)])[1], ["red", "blue"]) != path
     with pytest.raises(InputError, match="pass --prompt"):
         sources.write_manifest(job, images, [])
+
+
+def test_same_id_from_two_files_names_both_files(tmp_path):
+    d = image_folder(tmp_path, n=2, corrupt=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "img0.png").write_bytes((d / "img0.png").read_bytes())
+    with pytest.raises(InputError) as e:
+        sources.split_inputs([str(d / "img0.png"), str(tmp_path / "other")])
+    assert str(d / "img0.png") in str(e.value) and str(tmp_path / "other" / "img0.png") in str(e.value)
+    assert "id 'img0.png'" in str(e.value)
+    # one file named twice (a folder and a glob inside it) is one image, as a Parquet file given twice
+    _, images = sources.split_inputs([str(d), str(d / "*.png")])
+    assert [i for i, _ in images] == ["img0.png", "sub/img1.jpg"]

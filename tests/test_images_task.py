@@ -107,6 +107,9 @@ def test_metadata_and_plain_duckdb_over_masks(tmp_path):
     assert query.export(job, out) == 4 + 3 + 3  # red, blue, green (none) rows
     table = pq.read_table(out)
     assert table.column("id").to_pylist()[:5] == ["img0.png"] * 3 + ["img1.png"] * 2
+    exported = {k.decode(): v.decode() for k, v in pq.read_metadata(out).metadata.items()}
+    for key in ("batchinfer.thresholds", "batchinfer.prompts", "batchinfer.schema", "batchinfer.plan_id"):
+        assert exported[key] == meta[key], key  # the exported file still says how its rows were made
 
 
 def test_retry_errors_reruns_failed_images_as_new_attempt(tmp_path):

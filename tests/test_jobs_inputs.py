@@ -5,8 +5,11 @@ import os
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from batchinfer.jobs import inputs
 from batchinfer.schemas import loader
+
+from batchinfer.errors import InputError
 
 
 def _files(tmp_path):
@@ -60,3 +63,12 @@ def test_fingerprint_ignores_touch_but_sees_rewrites(tmp_path):
     assert "changed" in inputs.check_unchanged(f)
     os.remove(f.path)
     assert "missing" in inputs.check_unchanged(f)
+
+
+def test_unsigned_ids_beyond_int64_are_a_one_line_error(tmp_path):
+    """uint64 ids (64-bit hashes, say) above 2**63 - 1 cannot be the int64 output id: refused by file."""
+    path = tmp_path / "u.parquet"
+    pq.write_table(pa.table({"id": pa.array([1, 2**63 + 5], pa.uint64()), "prompt": ["a", "b"]}), path)
+    files = inputs.describe_files([path], loader.load("llm_input"))
+    with pytest.raises(InputError, match=rf"{path}: column 'id' .*9223372036854775813.*cast them to strings"):
+        inputs.check_rows(files, inputs.id_type(files))

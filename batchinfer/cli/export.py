@@ -10,7 +10,8 @@ import click
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--partial", is_flag=True, help="Export an unfinished job's rows so far instead of refusing.")
 def export_command(job_dir: str, out: str, partial: bool) -> None:
-    """Write one file (.parquet or .csv) with one row per input id (its latest attempt), in input order."""
+    """Write one file (.parquet or .csv) with the latest attempt of every input id, in input order: one
+    row per id for text jobs, one per image, prompt and instance for image jobs."""
     from batchinfer.jobs import query
 
     rows = query.export(job_dir, out, partial=partial)

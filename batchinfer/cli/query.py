@@ -11,8 +11,9 @@ import click
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the rows to FILE.parquet or FILE.csv.")
 @click.option("--max-rows", type=int, default=40, show_default=True, help="Rows to print (table output).")
 def query_command(job_dir: str, sql: str, out: str | None, max_rows: int) -> None:
-    """Run SQL over the views `results` (every committed row, every attempt), `latest` (one row per id,
-    its latest attempt) and `inputs` (the input files, when reachable). Safe while workers run.
+    """Run SQL over the views `results` (every committed row, every attempt), `latest` (the rows of each
+    id's latest attempt: one per id for text jobs, one per image, prompt and instance for image jobs) and
+    `inputs` (the input files, when reachable). Safe while workers run.
 
     Example: batchinfer query DIR "SELECT finish_reason, count(*) FROM latest GROUP BY 1"
     """

@@ -20,7 +20,8 @@ from batchinfer.errors import InputError
 )
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), help="bar (tty default), json, none.")
 def retry_errors_command(job_dir: str, reasons: tuple[str, ...], progress: str | None) -> None:
-    """Rerun the rows whose latest result has finish_reason error (or skipped) as a new attempt.
+    """Rerun the rows whose latest result has finish_reason error (or skipped) as a new attempt; for
+    image jobs, the images whose latest rows carry an error (all their prompts).
 
     Earlier attempts stay on disk and in the `results` view; `latest` and `export` show the newest
     attempt per id. The job must be finished first. If an earlier retry was interrupted, this resumes it

@@ -11,7 +11,8 @@ import click
 @click.argument("job_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def status_command(job_dir: str, as_json: bool) -> None:
-    """Summarise a job: shards done/running/pending, rows done, finish reasons, tokens/s.
+    """Summarise a job: shards done/running/pending, rows done, finish reasons (image jobs: images ok or
+    error), tokens/s (image jobs: images/s).
 
     Safe to run at any time, also while workers run; it reads markers, locks and committed files only.
     """

@@ -34,6 +34,15 @@ class Decoded:
     error: str | None = None
 
 
+def _to_8_bit(img: Image.Image) -> Image.Image:
+    """16-bit greyscale (Pillow's modes I;16*, and I, as it opens some 16-bit PNG and TIFF files) scaled
+    to 8 bits, 65535 -> 255: Pillow's own conversion clips every value above 255 to white."""
+    if not img.mode.startswith("I"):
+        return img
+    wide = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
+    return Image.fromarray(((wide + 128) // 257).astype(np.uint8))
+
+
 def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded:
     """Decode `source`: a file path (relative paths resolve against `base_dir`) or encoded bytes."""
     if source is None:
@@ -56,7 +65,7 @@ def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded
                 img.draft("RGB", (size, size))
             if orientation not in (None, 1):  # both calls copy the pixels even when they have nothing to do
                 img = ImageOps.exif_transpose(img)
-            rgb = img if img.mode == "RGB" else img.convert("RGB")
+            rgb = img if img.mode == "RGB" else _to_8_bit(img).convert("RGB")
             if size is not None and rgb.size != (size, size):
                 rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
             pixels = np.array(rgb)

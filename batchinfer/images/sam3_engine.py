@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -28,9 +29,11 @@ def load_engine(
     from batchinfer.sam3.fp8 import VIT_MODES, use_fp8_vit
     from batchinfer.sam3.model import Sam3Model
 
-    if not model_path:
-        raise ConfigError("the SAM 3 engine needs --model (a sam3.pt or safetensors checkpoint)")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_model(model_path)
+    batch = int(batch_size) if str(batch_size).strip().isdigit() else 0
+    if batch < 1:
+        raise ConfigError(f"--engine-arg batch_size={batch_size!r}: expected a whole number >= 1")
+    device = _device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--engine-arg dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -51,4 +54,31 @@ def load_engine(
         "image_size": str(model.config.image_size),
         "mask_threshold": "0.5",  # sigmoid of the upsampled mask logits (Meta's Sam3Processor)
     }
-    return SegmenterEngine(model, facts, batch_size=int(batch_size))
+    return SegmenterEngine(model, facts, batch_size=batch)
+
+
+def check_model(model_path: str) -> None:
+    """What the engine needs of --model, also checked before a plan records it: a plan can never run
+    without a usable model, and rerunning with another --model is a different job."""
+    if not model_path:
+        raise ConfigError("the SAM 3 engine needs --model (a sam3.pt or safetensors checkpoint)")
+    folder = Path(model_path).expanduser()
+    if folder.is_dir():
+        found = sorted(p.name for p in folder.iterdir() if p.suffix in (".pt", ".safetensors"))[:3]
+        raise ConfigError(
+            f"--model {model_path}: is a folder; the SAM 3 engine needs the checkpoint file (sam3.pt or a "
+            f".safetensors file){'; it holds ' + ', '.join(found) if found else ''}"
+        )
+
+
+def _device(device: str) -> str:
+    """The device to load on (default cuda when there is one), checked before the model is read."""
+    if not device:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ConfigError(f"--engine-arg device={device!r}: not a device; expected cpu or cuda[:N]") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--engine-arg device={device!r}: torch sees no CUDA GPU on this machine")
+    return device

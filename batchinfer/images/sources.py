@@ -63,16 +63,23 @@ def _first_magic(parts: Sequence[str]) -> int:
 
 
 def split_inputs(patterns: Sequence[str]) -> tuple[list[str], list[tuple[str, Path]]]:
-    """Separate Parquet inputs (returned as given) from image files (id, absolute path), in input order."""
+    """Separate Parquet inputs (returned as given) from image files (id, absolute path), in input order;
+    a file named twice (a folder and a glob inside it) counts once, two files with one id are refused."""
     parquet: list[str] = []
-    images: list[tuple[str, Path]] = []
+    paths: dict[str, Path] = {}  # id -> file; checked here, where the message can name both files
     for pattern in patterns:
         found = _images_of(pattern)
         if found is None:
             parquet.append(pattern)
-        else:
-            images += [(i, path.resolve()) for i, path in found]
-    return parquet, images
+            continue
+        for image_id, path in found:
+            path = path.resolve()
+            if paths.setdefault(image_id, path) != path:
+                raise InputError(
+                    f"{pattern}: id {image_id!r} of {path} is also the id of {paths[image_id]}; ids (paths "
+                    "relative to the folder or glob given) must be unique: pass their common parent folder"
+                )
+    return parquet, list(paths.items())
 
 
 def write_manifest(job_dir: Path, images: Sequence[tuple[str, Path]], prompts: Sequence[str]) -> Path:
