@@ -82,6 +82,25 @@ def test_parquet_inputs_bytes_paths_prompts_and_kept_columns(tmp_path):
     assert con.execute("SELECT typeof(id) FROM latest LIMIT 1").fetchone()[0] == "BIGINT"
 
 
+def test_image_bytes_in_huge_row_groups_get_a_warning_at_planning(tmp_path, monkeypatch, caplog):
+    from batchinfer.images import task
+
+    rows = {"id": [1, 2, 3], "image": [encoded(k) for k in range(3)], "prompts": [["red"]] * 3}
+    pq.write_table(pa.table(rows), tmp_path / "one.parquet")
+    pq.write_table(pa.table(rows), tmp_path / "three.parquet", row_group_size=1)
+    group = pq.ParquetFile(tmp_path / "one.parquet").metadata.row_group(0).total_byte_size
+    monkeypatch.setattr(task, "ROW_GROUP_WARN_BYTES", group - 1)  # the 3-image group is "huge" now
+    warned = {}
+    for name in ("one", "three"):
+        caplog.clear()
+        params = {"score_threshold": 0.5, "prompts": []}
+        plans.build_plan(tmp_path / name, [str(tmp_path / f"{name}.parquet")], "", params, engine=SHAPES,
+                         task="image")  # fmt: skip
+        warned[name] = [r.getMessage() for r in caplog.records if "row group" in r.getMessage()]
+    assert not warned["three"] and len(warned["one"]) == 1
+    assert "one.parquet: row group 0 holds" in warned["one"][0] and "row_group_size=256" in warned["one"][0]
+
+
 def test_metadata_and_plain_duckdb_over_masks(tmp_path):
     job = tmp_path / "job"
     plan = _job(job, [image_folder(tmp_path, n=3, corrupt=False)], threshold=0.25, chunk_rows=10)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -39,6 +40,11 @@ DEFAULT_CHUNK_ROWS = 256  # images per committed file: a kill loses at most this
 # `decode_wait_seconds`.
 DECODE_WORKERS = min(4, os.cpu_count() or 1)
 _PARAMS = {"score_threshold", "prompts"}
+# A worker reads the input's image column a whole row group at a time and keeps two decoded (`inputs.
+# RowGroupCache`): Parquet files of image bytes with larger row groups than this get a warning at planning.
+ROW_GROUP_WARN_BYTES = 2**30
+
+log = logging.getLogger(__name__)
 
 
 def clean_prompts(prompts: Sequence[str | None] | None) -> list[str]:
@@ -78,6 +84,24 @@ def describe_model(model_path: str) -> dict[str, str]:
         return {"path": str(p), "config_hash": inputs.fingerprint(p, p.stat().st_size),
                 "model_type": p.suffix.lstrip(".") or "file"}  # fmt: skip
     raise InputError(f"--model {model_path}: no such file or directory")
+
+
+def check_rows(files: Sequence[inputs.InputFile], id_arrow_type: pa.DataType) -> None:
+    """Null or duplicate ids are job-level errors (bad images are rows). Image bytes in row groups of
+    gigabytes (pandas and pyarrow write up to 1Mi rows a group) get a warning naming the remedy: every
+    worker would hold two such groups in memory."""
+    inputs.check_ids(files, id_arrow_type)
+    for f in files:
+        meta = pq.ParquetFile(f.path).metadata
+        sizes = [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+        if sizes and max(sizes) > ROW_GROUP_WARN_BYTES:
+            g = int(np.argmax(sizes))
+            log.warning(
+                "%s: row group %d holds %.1f GiB; each worker reads whole row groups of the image column and "
+                "keeps two, so it may need ~%.0f GiB of memory: write the file with smaller row groups "
+                "(pyarrow.parquet.write_table(table, path, row_group_size=256))",
+                f.path, g, sizes[g] / 2**30, 2 * sizes[g] / 2**30,
+            )  # fmt: skip
 
 
 def read_columns(keep_columns: Sequence[str]) -> list[str]:
@@ -265,7 +289,7 @@ IMAGE_TASK = Task(
     output_schema="mask_output",
     check_params=check_params,
     describe_model=describe_model,
-    check_rows=inputs.check_ids,
+    check_rows=check_rows,
     read_columns=read_columns,
     process=process_chunk,
     metadata=metadata,
