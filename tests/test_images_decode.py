@@ -63,3 +63,10 @@ def test_16_bit_greyscale_is_scaled_not_clipped(tmp_path):
         assert d.error is None and d.image.shape == (1, 4, 3), name
         assert d.image[0, :, 0].tolist() == [0, 29, 76, 255], name
         assert (d.image == d.image[..., :1]).all()
+
+
+def test_empty_sources_say_so(tmp_path):
+    (tmp_path / "zero.png").write_bytes(b"")
+    assert load(str(tmp_path / "zero.png"), "", None).error.endswith(": empty file")
+    for empty in ("", b""):  # "" once named the base folder: IsADirectoryError
+        assert load(empty, str(tmp_path), None).error.startswith("image is empty")

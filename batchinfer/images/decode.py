@@ -47,6 +47,8 @@ def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded
     """Decode `source`: a file path (relative paths resolve against `base_dir`) or encoded bytes."""
     if source is None:
         return Decoded(None, None, None, "image is null; expected a path or encoded image bytes")
+    if not source:  # an empty path would name the base folder itself
+        return Decoded(None, None, None, "image is empty; expected a path or encoded image bytes")
     if isinstance(source, str):
         what = os.path.join(base_dir, source) if not os.path.isabs(source) else source
         opener: str | io.BytesIO = what
@@ -72,7 +74,10 @@ def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded
     except FileNotFoundError:
         return Decoded(None, None, None, f"{label}: no such file")
     except UnidentifiedImageError:
-        return Decoded(None, None, None, f"{label}: not an image format Pillow can read")
+        empty = isinstance(opener, str) and os.path.getsize(opener) == 0
+        return Decoded(
+            None, None, None, f"{label}: {'empty file' if empty else 'not an image format Pillow can read'}"
+        )
     except _DECODE_ERRORS as e:
         return Decoded(None, height, width, f"{label}: cannot decode ({type(e).__name__}: {e})")
     return Decoded(pixels, height, width)
