@@ -1,6 +1,7 @@
 """`batchinfer segment` as a user runs it: kill -9 mid-job and resume (also through `batchinfer run`),
 status, refused plan changes and one-line input errors."""
 
+import json
 import signal
 import subprocess
 import time
@@ -77,6 +78,16 @@ def test_user_errors_are_one_line_exit_2(tmp_path):
     r = run_cli("run", "-o", str(out), "-i", str(d), "-m", str(tmp_path))  # text flags on an image job
     assert r.returncode == 2 and "an image job; resume it with `batchinfer run --output" in r.stderr
     assert run_cli("run", "-o", str(out), "--progress", "none").returncode == 0  # a plain resume still runs
+
+
+def test_progress_counts_images(tmp_path):
+    d = image_folder(tmp_path / "imgs", n=4)
+    r = run_cli(*_args(d, tmp_path / "j", "--chunk-rows", "2")[:-2], "--progress", "json")
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 0 and [e["rows_done"] for e in events if e["event"] == "chunk"][-1] == 5
+    assert events[-1]["event"] == "end" and events[-1]["rows_per_s"] > 0
+    r = run_cli(*_args(d, tmp_path / "k")[:-2], "--progress", "bar")  # tqdm writes to stderr, tty or not
+    assert r.returncode == 0 and "images" in r.stderr and "tokens" not in r.stderr, r.stderr
 
 
 def test_default_engine_without_a_model_file_is_refused_before_any_plan(tmp_path):

@@ -47,7 +47,8 @@ def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
     stop = worker.StopFlag()
     stop.install()
     rows = sum(attempts.pending_rows(plan, s) for s in todo)
-    progress = Progress(progress_mode, rows_total=rows, shards=len(todo))
+    unit = "image" if plan.doc["task"] == "image" else "row"
+    progress = Progress(progress_mode, rows_total=rows, shards=len(todo), row_unit=unit)
     status = "error"
     try:
         results = worker.run_shards(plan, todo, engine, stop=stop, progress=progress)
