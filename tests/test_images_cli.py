@@ -82,12 +82,20 @@ def test_user_errors_are_one_line_exit_2(tmp_path):
 
 def test_progress_counts_images(tmp_path):
     d = image_folder(tmp_path / "imgs", n=4)
-    r = run_cli(*_args(d, tmp_path / "j", "--chunk-rows", "2")[:-2], "--progress", "json")
+    r = run_cli(*_args(d, tmp_path / "j")[:-2], "--chunk-rows", "2", "--progress", "json")
     events = [json.loads(line) for line in r.stdout.splitlines()]
-    assert r.returncode == 0 and [e["rows_done"] for e in events if e["event"] == "chunk"][-1] == 5
+    assert r.returncode == 0 and [e["rows_done"] for e in events if e["event"] == "chunk"] == [2, 4, 5]
     assert events[-1]["event"] == "end" and events[-1]["rows_per_s"] > 0
     r = run_cli(*_args(d, tmp_path / "k")[:-2], "--progress", "bar")  # tqdm writes to stderr, tty or not
     assert r.returncode == 0 and "images" in r.stderr and "tokens" not in r.stderr, r.stderr
+
+
+def test_gpus_workers_are_as_quiet_as_segment(tmp_path):
+    d = image_folder(tmp_path / "imgs", n=3)
+    out = tmp_path / "g"
+    r = run_cli("-q", *_args(d, out, "--shards", "2", "--gpus", "all"), env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert r.returncode == 0 and "INFO" not in r.stderr, r.stderr  # workers' lines come back as [gpu N] ...
+    assert "attempt 1 chunk" in (out / "logs/shard-00000.log").read_text()
 
 
 def test_default_engine_without_a_model_file_is_refused_before_any_plan(tmp_path):

@@ -28,6 +28,19 @@ def default_progress() -> str:
     return "bar" if sys.stderr.isatty() else "none"
 
 
+def execute_on_gpus(plan: Any, gpus: str, shard_ids: list[int], progress_mode: str | None) -> int:
+    """`--gpus`: one `batchinfer run` worker a GPU, each given this command's -q / -v and its --shard
+    choice; progress as JSON lines when asked, else none (the workers' bars would interleave)."""
+    from batchinfer.jobs import local
+
+    devices = local.parse_gpus(gpus)
+    extra = ["--progress", "json" if progress_mode == "json" else "none"]
+    extra += [a for s in shard_ids for a in ("--shard", str(s))]
+    top = click.get_current_context().find_root().params  # batchinfer's own -q / -v
+    log_flags = ["-q"] if top.get("quiet") else ["-v"] * top.get("verbose", 0)
+    return local.run_on_gpus(plan.job_dir, devices, extra, log_flags)
+
+
 def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
     """Run `shard_ids` of `plan` in this process; returns the exit code (0 done, 75 stopped by signal)."""
     from batchinfer.jobs import attempts, worker
@@ -183,14 +196,7 @@ def run_command(
         )
         return
     if gpus is not None:
-        from batchinfer.jobs import local
-
-        devices = local.parse_gpus(gpus)
-        extra = ["--progress", "json" if progress_mode == "json" else "none"]
-        extra += [a for s in shard_ids for a in ("--shard", str(s))]
-        top = click.get_current_context().find_root().params  # batchinfer's own -q / -v
-        log_flags = ["-q"] if top.get("quiet") else ["-v"] * top.get("verbose", 0)
-        sys.exit(local.run_on_gpus(plan.job_dir, devices, extra, log_flags))
+        sys.exit(execute_on_gpus(plan, gpus, list(shard_ids), progress_mode))
     code = execute(plan, list(shard_ids) or list(range(plan.num_shards)), progress_mode or default_progress())
     sys.exit(code)
 

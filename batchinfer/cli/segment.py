@@ -29,7 +29,11 @@ DEFAULT_IMAGE_ENGINE = "batchinfer.images.sam3_engine:load_engine"
     help="Image folder, image glob, image file, or image_input Parquet file/folder/glob (repeatable).",
 )
 @click.option("-o", "--output", required=True, help="Job directory: plan, results, markers, logs.")
-@click.option("-m", "--model", help="Checkpoint (file or folder); optional for model-free engines.")
+@click.option(
+    "-m",
+    "--model",
+    help="Checkpoint file (sam3.pt or .safetensors) of the default SAM 3 engine, or what --engine takes.",
+)
 @click.option(
     "-p",
     "--prompt",
@@ -66,7 +70,7 @@ def segment_command(
     committed chunk. Unreadable images become error rows; an (image, prompt) pair without detections
     gets one row with instance null. SIGUSR2/SIGTERM: commit the chunk in flight, exit 75.
     """
-    from batchinfer.cli.run import default_progress, execute
+    from batchinfer.cli.run import default_progress, execute, execute_on_gpus
     from batchinfer.jobs import plan as plans
     from batchinfer.jobs.commit import PLAN_FILE
 
@@ -100,11 +104,7 @@ def segment_command(
                    f"-> {plan.job_dir}", err=True)  # fmt: skip
         return
     if gpus is not None:
-        from batchinfer.jobs import local
-
-        extra = ["--progress", "json" if progress == "json" else "none"]
-        extra += [a for s in shard_ids for a in ("--shard", str(s))]
-        sys.exit(local.run_on_gpus(plan.job_dir, local.parse_gpus(gpus), extra))
+        sys.exit(execute_on_gpus(plan, gpus, list(shard_ids), progress))
     sys.exit(execute(plan, list(shard_ids) or list(range(plan.num_shards)), progress or default_progress()))
 
 
