@@ -63,6 +63,9 @@ def test_16_bit_greyscale_is_scaled_not_clipped(tmp_path):
         assert d.error is None and d.image.shape == (1, 4, 3), name
         assert d.image[0, :, 0].tolist() == [0, 29, 76, 255], name
         assert (d.image == d.image[..., :1]).all()
+    eight = np.array([[0, 100, 200, 255]], dtype=np.int32)  # an int32 TIFF of 8-bit data: mode "I" too
+    Image.fromarray(eight).save(tmp_path / "g8.tif")
+    assert load("g8.tif", str(tmp_path), None).image[0, :, 0].tolist() == [0, 100, 200, 255]
 
 
 def test_empty_sources_say_so(tmp_path):

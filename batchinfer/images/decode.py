@@ -35,12 +35,22 @@ class Decoded:
 
 
 def _to_8_bit(img: Image.Image) -> Image.Image:
-    """16-bit greyscale (Pillow's modes I;16*, and I, as it opens some 16-bit PNG and TIFF files) scaled
-    to 8 bits, 65535 -> 255: Pillow's own conversion clips every value above 255 to white."""
+    """16-bit greyscale scaled to 8 bits, 65535 -> 255 (Pillow's own conversion clips every value above
+    255 to white): modes I;16*, and mode I (as Pillow opens some 16-bit PNG and TIFF files) when the file
+    says 16 bits a sample or holds values above 255. Mode I with 8-bit values (an int32 TIFF written from
+    0..255 data) is left as it is."""
     if not img.mode.startswith("I"):
         return img
-    wide = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
-    return Image.fromarray(((wide + 128) // 257).astype(np.uint8))
+    wide = np.asarray(img)
+    bits = getattr(img, "tag_v2", {}).get(258)  # TIFF BitsPerSample
+    bits = bits[0] if isinstance(bits, tuple) else bits
+    if img.mode == "I" and bits != 16 and int(wide.max(initial=0)) <= 255:
+        return img
+    x = wide.astype(np.uint32) if wide.dtype.kind == "u" else np.clip(wide, 0, 65535).astype(np.uint32)
+    np.minimum(x, 65535, out=x)
+    x += 128
+    x //= 257
+    return Image.fromarray(x.astype(np.uint8))
 
 
 def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded:
