@@ -69,3 +69,6 @@ def test_same_id_from_two_files_names_both_files(tmp_path):
     # one file named twice (a folder and a glob inside it) is one image, as a Parquet file given twice
     _, images = sources.split_inputs([str(d), str(d / "*.png")])
     assert [i for i, _ in images] == ["img0.png", "sub/img1.jpg"]
+    for inner in (d / "sub/*.jpg", d / "sub/img1.jpg"):  # another id for the same file: the first one holds
+        _, images = sources.split_inputs([str(d), str(inner)])
+        assert [i for i, _ in images] == ["img0.png", "sub/img1.jpg"]

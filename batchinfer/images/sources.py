@@ -64,9 +64,11 @@ def _first_magic(parts: Sequence[str]) -> int:
 
 def split_inputs(patterns: Sequence[str]) -> tuple[list[str], list[tuple[str, Path]]]:
     """Separate Parquet inputs (returned as given) from image files (id, absolute path), in input order;
-    a file named twice (a folder and a glob inside it) counts once, two files with one id are refused."""
+    a file named twice (a folder and a glob inside it) counts once, under the first input's id; two files
+    with one id are refused."""
     parquet: list[str] = []
     paths: dict[str, Path] = {}  # id -> file; checked here, where the message can name both files
+    listed: set[Path] = set()
     for pattern in patterns:
         found = _images_of(pattern)
         if found is None:
@@ -74,6 +76,9 @@ def split_inputs(patterns: Sequence[str]) -> tuple[list[str], list[tuple[str, Pa
             continue
         for image_id, path in found:
             path = path.resolve()
+            if path in listed:  # ids are relative to each folder or glob: the first one names it
+                continue
+            listed.add(path)
             if paths.setdefault(image_id, path) != path:
                 raise InputError(
                     f"{pattern}: id {image_id!r} of {path} is also the id of {paths[image_id]}; ids (paths "
