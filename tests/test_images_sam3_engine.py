@@ -57,6 +57,7 @@ def test_sam3_engine_needs_a_model():
     [
         ({"batch_size": "8x"}, "batch_size='8x': expected a whole number >= 1"),
         ({"batch_size": "0"}, "batch_size='0': expected a whole number >= 1"),
+        ({"batch_size": "\u00b2"}, "batch_size='\u00b2': expected a whole number >= 1"),  # isdigit() is True
         ({"device": "gpu"}, "device='gpu': not a device; expected cpu or cuda[:N]"),
     ]
     + ([] if torch.cuda.is_available() else [({"device": "cuda"}, "device='cuda': torch sees no CUDA GPU")]),

@@ -80,7 +80,9 @@ def test_run_status_query_export(tmp_path):
         "t1",
         "t2",
     ]
-    assert pq.read_metadata(exp).metadata[b"batchinfer.plan_id"]
+    meta = pq.read_metadata(exp).metadata
+    assert meta[b"batchinfer.plan_id"] and meta[b"batchinfer.schema"] == b"llm_output/1"
+    assert "max_tokens" in json.loads(meta[b"batchinfer.sampling"])  # the job's parameters, as chunk files
 
 
 def test_quiet_keeps_the_shard_logs(tmp_path):

@@ -22,6 +22,8 @@ from batchinfer.engine.kernel_model import KernelModel
 
 # Kernel-name patterns -> group, first match wins (Triton kernels keep their Python names). Our own
 # projection kernels come before "moe experts" ("dequant") and cuBLAS's "gemm", which their names hold.
+# `_nvfp4_dequant_kernel` counts as MoE: the engine dequantizes only experts at run time (its dense
+# weights are bf16 copies from load time; `kernel_model.py`).
 GROUPS = (
     ("moe route + align", r"moe_route|moe_align|_align|moe_hist|moe_offsets|moe_scatter"),
     ("projections (ours)", r"fp8_gemv|nvfp4_gemv|fp8_gemm|nvfp4_gemm|fp8_rows_mm|fp8_dequant"),

@@ -30,7 +30,10 @@ def load_engine(
     from batchinfer.sam3.model import Sam3Model
 
     check_model(model_path)
-    batch = int(batch_size) if str(batch_size).strip().isdigit() else 0
+    try:
+        batch = int(batch_size)
+    except ValueError:
+        batch = 0
     if batch < 1:
         raise ConfigError(f"--engine-arg batch_size={batch_size!r}: expected a whole number >= 1")
     device = _device(device)
