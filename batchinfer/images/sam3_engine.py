@@ -65,13 +65,11 @@ def check_model(model_path: str) -> None:
     without a usable model, and rerunning with another --model is a different job."""
     if not model_path:
         raise ConfigError("the SAM 3 engine needs --model (a sam3.pt or safetensors checkpoint)")
-    folder = Path(model_path).expanduser()
-    if folder.is_dir():
-        found = sorted(p.name for p in folder.iterdir() if p.suffix in (".pt", ".safetensors"))[:3]
-        raise ConfigError(
-            f"--model {model_path}: is a folder; the SAM 3 engine needs the checkpoint file (sam3.pt or a "
-            f".safetensors file){'; it holds ' + ', '.join(found) if found else ''}"
-        )
+    from batchinfer.sam3.checkpoint import folder_problem
+
+    problem = folder_problem(Path(model_path).expanduser())
+    if problem:
+        raise ConfigError(f"--model {problem}")
 
 
 def _device(device: str) -> str:

@@ -44,13 +44,21 @@ def expected_shapes(config: Sam3Config) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def folder_problem(path: Path) -> str | None:
+    """What is wrong with a folder given as the checkpoint (naming the checkpoint files in it), or None."""
+    if not path.is_dir():
+        return None
+    found = sorted(p.name for p in path.iterdir() if p.suffix in (".pt", ".safetensors"))[:3]
+    return (
+        f"{path}: is a folder; expected a SAM 3 checkpoint file (Meta's sam3.pt or sam3.1_multiplex.pt, "
+        f"or a .safetensors file){'; it holds ' + ', '.join(found) if found else ''}"
+    )
+
+
 def _read_raw(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    if path.is_dir():
-        found = sorted(p.name for p in path.iterdir() if p.suffix in (".pt", ".safetensors"))[:3]
-        raise CheckpointError(
-            f"{path}: is a folder; expected a SAM 3 checkpoint file (Meta's sam3.pt or sam3.1_multiplex.pt, "
-            f"or a .safetensors file){'; it holds ' + ', '.join(found) if found else ''}"
-        )
+    problem = folder_problem(path)
+    if problem:
+        raise CheckpointError(problem)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if path.suffix == ".safetensors":
