@@ -3,7 +3,8 @@
 The default factory is `batchinfer.engine.loader:load_engine`; `--engine module:factory` plugs in any
 other object with `describe()` and `generate()` (engine/api.py's TextEngine), e.g. the model-free
 `batchinfer.jobs.echo:EchoEngine` for dry runs. The factory is called as `factory(model_path, **args)`
-with the plan's string arguments (`--engine-arg KEY=VALUE`).
+with the plan's string arguments (`--engine-arg KEY=VALUE`). A factory may carry `check_args(**args)`,
+which checks their values without a model or a GPU; it runs before a plan records them.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def resolve_factory(spec: str) -> Callable[..., TextEngine]:
 
 
 def check_args(spec: str, args: dict[str, Any]) -> Callable[..., TextEngine]:
-    """The factory `spec` names, after checking it accepts `factory(model_path, **args)`, so that a
-    mistyped `--engine-arg` is refused by name before a plan records it, not as a TypeError at load."""
+    """The factory `spec` names, after checking it accepts `factory(model_path, **args)` and, where it has
+    its own `check_args`, their values: a mistyped `--engine-arg` name or value is refused before a plan
+    records it (correcting it later would change the plan), not at load."""
     factory = resolve_factory(spec)
     try:
         signature = inspect.signature(factory)
@@ -55,6 +57,9 @@ def check_args(spec: str, args: dict[str, Any]) -> Callable[..., TextEngine]:
         raise ConfigError(
             f"--engine-arg for {spec}: {e}; it accepts {', '.join(known) or 'no arguments'}"
         ) from None
+    check_values = getattr(factory, "check_args", None)
+    if callable(check_values):
+        check_values(**args)
     return factory
 
 

@@ -111,6 +111,18 @@ def test_default_engine_without_a_model_file_is_refused_before_any_plan(tmp_path
     assert not out.exists()
 
 
+def test_sam3_engine_arg_values_are_checked_before_the_plan(tmp_path):
+    d = image_folder(tmp_path / "imgs", n=2)
+    ckpt = tmp_path / "sam3.safetensors"
+    ckpt.write_bytes(b"not read before the run")
+    base = ["segment", "-i", str(d), "-p", "red", "-m", str(ckpt), "--progress", "none"]
+    r = run_cli(*base, "-o", str(tmp_path / "bad"), "--engine-arg", "batch_size=abc")
+    assert r.returncode == 2 and "batch_size='abc': expected a whole number >= 1" in r.stderr, r.stderr
+    assert not (tmp_path / "bad" / "plan.json").exists()
+    r = run_cli(*base, "-o", str(tmp_path / "login"), "--engine-arg", "device=cuda", "--plan-only")
+    assert r.returncode == 0, r.stderr  # the GPU is the run's business, not the planning machine's
+
+
 def test_shared_commands_help_says_what_image_jobs_get():
     """query, export, retry-errors and status serve image jobs too; their help said one row per id."""
     for command in ("query", "export", "retry-errors", "status"):

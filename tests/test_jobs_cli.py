@@ -344,6 +344,36 @@ def test_eval_refuses_unknown_engine_arg_before_writing_anything(tmp_path):
     assert not (tmp_path / "ev").exists()
 
 
+def test_engine_arg_values_are_checked_before_the_plan(tmp_path):
+    """A value the default engine would refuse at load is refused before the plan records it (correcting
+    it later would change the plan); a plan made where the run's GPU is absent is not refused for it."""
+    write_inputs(tmp_path, files=1, rows=4)
+    model_dir(tmp_path)
+    base = ["run", "-i", str(tmp_path / "in"), "-m", str(tmp_path / "model"), "--progress", "none"]
+    for args, message in (
+        (["max_slots=abc"], "max_slots='abc' is not an integer"),
+        (["engine=reference", "deltanet_state=float16"], "deltanet_state=float16 applies to the fast engine"),
+        (["device=gpu"], "device 'gpu' is not a device"),
+    ):
+        out = tmp_path / "bad"
+        r = run_cli(*base, "-o", str(out), *[a for x in args for a in ("--engine-arg", x)])
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+        assert not (out / "plan.json").exists()
+    ok = ["--engine-arg", "device=cuda", "--engine-arg", "deltanet_state=float16", "--plan-only"]
+    assert run_cli(*base, "-o", str(tmp_path / "login"), *ok).returncode == 0  # checked on the GPU node
+
+
+def test_engine_arg_checks_take_the_loaders_arguments():
+    import inspect
+
+    from batchinfer.engine import loader
+    from batchinfer.images import sam3_engine
+
+    for mod in (loader, sam3_engine):
+        names = list(inspect.signature(mod.load_engine).parameters)[1:]  # after the model path
+        assert list(inspect.signature(mod.load_engine.check_args).parameters) == names, mod.__name__
+
+
 def test_eval_refuses_an_unknown_task_in_one_line(tmp_path):
     r = run_cli("eval", "-m", str(tmp_path / "model"), "-o", str(tmp_path / "ev"), "--tasks", "bogus")
     assert r.returncode == 2 and "unknown task 'bogus'; known tasks:" in r.stderr

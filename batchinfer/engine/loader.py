@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -68,6 +69,13 @@ def _as_int(name: str, value: int | str) -> int:
         raise ConfigError(f"engine argument {name}={value!r} is not an integer") from None
 
 
+def _as_float(name: str, value: float | str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"engine argument {name}={value!r} is not a number") from None
+
+
 def _as_bool(name: str, value: bool | str) -> bool:
     if isinstance(value, bool):
         return value
@@ -77,6 +85,128 @@ def _as_bool(name: str, value: bool | str) -> bool:
     if word in ("false", "0", "no"):
         return False
     raise ConfigError(f"engine argument {name}={value!r}: expected true or false")
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """`load_engine`'s arguments parsed (the job layer passes strings)."""
+
+    engine: str
+    dtype: str | torch.dtype | None
+    max_model_len: int | None
+    max_batch_size: int
+    max_slots: int
+    deltanet_state: str
+    kv_cache: str
+    bf16_experts: bool
+    prefill_tokens: int
+    refill_fraction: float
+    prefill_graph_tokens: int
+
+
+def _parse_args(
+    engine: str,
+    dtype: str | torch.dtype | None,
+    max_model_len: int | str | None,
+    max_batch_size: int | str,
+    max_slots: int | str,
+    deltanet_state: str,
+    kv_cache: str,
+    bf16_experts: bool | str,
+    prefill_tokens: int | str,
+    refill_fraction: float | str,
+    prefill_graph_tokens: int | str,
+) -> _Options:
+    """Each argument parsed and in its range, whatever the engine and device."""
+    if engine not in ("auto", "fast", "reference"):
+        raise ConfigError(f"engine argument engine={engine!r}: expected auto, fast or reference")
+    if dtype is not None and not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    if deltanet_state not in STATE_DTYPES:
+        raise ConfigError(
+            f"engine argument deltanet_state={deltanet_state!r}: expected one of {', '.join(STATE_DTYPES)}"
+        )
+    if kv_cache not in KV_DTYPES:
+        raise ConfigError(f"engine argument kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
+    opts = _Options(
+        engine=engine,
+        dtype=dtype,
+        max_model_len=None if max_model_len in (None, "") else _as_int("max_model_len", max_model_len),
+        max_batch_size=_as_int("max_batch_size", max_batch_size),
+        max_slots=_as_int("max_slots", max_slots),
+        deltanet_state=deltanet_state,
+        kv_cache=kv_cache,
+        bf16_experts=_as_bool("bf16_experts", bf16_experts),
+        prefill_tokens=_as_int("prefill_tokens", prefill_tokens),
+        refill_fraction=_as_float("refill_fraction", refill_fraction),
+        prefill_graph_tokens=_as_int("prefill_graph_tokens", prefill_graph_tokens),
+    )
+    if opts.prefill_graph_tokens < 0:
+        raise ConfigError(f"engine argument prefill_graph_tokens={opts.prefill_graph_tokens} must be >= 0")
+    for name in ("max_batch_size", "max_slots", "prefill_tokens"):
+        if getattr(opts, name) < 1:
+            raise ConfigError(f"engine argument {name}={getattr(opts, name)} must be >= 1")
+    if not 0 < opts.refill_fraction <= 1:
+        raise ConfigError(f"engine argument refill_fraction={opts.refill_fraction} must be in (0, 1]")
+    return opts
+
+
+def _check_fit(opts: _Options, fast: bool) -> None:
+    """The options of one engine refused for the other."""
+    for name, value, default in (
+        ("deltanet_state", opts.deltanet_state, "float32"),
+        ("kv_cache", opts.kv_cache, "bfloat16"),
+    ):
+        if value != default and not fast:
+            raise ConfigError(f"engine argument {name}={value} applies to the fast engine (engine=fast)")
+    if opts.bf16_experts and not fast:
+        raise ConfigError("engine argument bf16_experts=true applies to the fast engine (engine=fast)")
+    if not fast and (opts.prefill_tokens, opts.refill_fraction, opts.prefill_graph_tokens) != (
+        PREFILL_TOKENS,
+        REFILL_FRACTION,
+        PREFILL_GRAPH_TOKENS,
+    ):
+        raise ConfigError(
+            "engine arguments prefill_tokens, refill_fraction and prefill_graph_tokens apply to the fast "
+            "engine (engine=fast)"
+        )
+    if fast and opts.dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
+        raise ConfigError(
+            f"the fast engine computes in bfloat16; dtype={opts.dtype!r} needs engine=reference"
+        )
+
+
+def check_engine_args(
+    device: str = "auto",
+    dtype: str | None = None,
+    max_model_len: str | None = None,
+    max_batch_size: str = str(DEFAULT_MAX_BATCH_SIZE),
+    engine: str = "auto",
+    max_slots: str = str(MAX_SLOTS),
+    deltanet_state: str = "float32",
+    kv_cache: str = "bfloat16",
+    bf16_experts: str = "false",
+    prefill_tokens: str = str(PREFILL_TOKENS),
+    refill_fraction: str = str(REFILL_FRACTION),
+    prefill_graph_tokens: str = str(PREFILL_GRAPH_TOKENS),
+) -> None:
+    """`load_engine`'s `--engine-arg` values checked without the model or a GPU, before a plan records
+    them (a value the run would refuse otherwise needs `--force-new-plan` to correct). A plan may be made
+    on a machine without the GPU its run gets: the device is checked for its spelling only, and the
+    options of one engine are refused for the other only where `engine` names it (`auto` picks at load)."""
+    opts = _parse_args(
+        engine, dtype, max_model_len, max_batch_size, max_slots, deltanet_state, kv_cache, bf16_experts,
+        prefill_tokens, refill_fraction, prefill_graph_tokens,
+    )  # fmt: skip
+    if device != "auto":
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ConfigError(
+                f"device {device!r} is not a device; expected auto, cpu, cuda or cuda:N"
+            ) from None
+    if engine != "auto":
+        _check_fit(opts, engine == "fast")
 
 
 def load_engine(
@@ -113,75 +243,28 @@ def load_engine(
     The job layer passes its `--engine-arg KEY=VALUE` strings straight in, so numbers may be strings.
     """
     path = Path(model_path)
-    max_model_len = None if max_model_len in (None, "") else _as_int("max_model_len", max_model_len)
-    max_batch_size = _as_int("max_batch_size", max_batch_size)
-    max_slots = _as_int("max_slots", max_slots)
-    bf16_experts = _as_bool("bf16_experts", bf16_experts)
-    prefill_tokens = _as_int("prefill_tokens", prefill_tokens)
-    prefill_graph_tokens = _as_int("prefill_graph_tokens", prefill_graph_tokens)
-    if prefill_graph_tokens < 0:
-        raise ConfigError(f"engine argument prefill_graph_tokens={prefill_graph_tokens} must be >= 0")
-    for name, value in (
-        ("max_batch_size", max_batch_size),
-        ("max_slots", max_slots),
-        ("prefill_tokens", prefill_tokens),
-    ):
-        if value < 1:
-            raise ConfigError(f"engine argument {name}={value} must be >= 1")
-    try:
-        refill_fraction = float(refill_fraction)
-    except ValueError:
-        raise ConfigError(f"engine argument refill_fraction={refill_fraction!r} is not a number") from None
-    if not 0 < refill_fraction <= 1:
-        raise ConfigError(f"engine argument refill_fraction={refill_fraction} must be in (0, 1]")
+    opts = _parse_args(
+        engine, dtype, max_model_len, max_batch_size, max_slots, deltanet_state, kv_cache, bf16_experts,
+        prefill_tokens, refill_fraction, prefill_graph_tokens,
+    )  # fmt: skip
     dev = resolve_device(device)
-    if engine not in ("auto", "fast", "reference"):
-        raise ConfigError(f"engine argument engine={engine!r}: expected auto, fast or reference")
     fast = engine == "fast" or (engine == "auto" and dev.type == "cuda")
     if fast and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(
             f"engine=fast runs Triton kernels and needs a CUDA device, got device {device!r} "
             "(engine=reference runs anywhere; TRITON_INTERPRET=1 interprets the kernels on a CPU, for tests)"
         )
-    if deltanet_state not in STATE_DTYPES:
-        raise ConfigError(
-            f"engine argument deltanet_state={deltanet_state!r}: expected one of {', '.join(STATE_DTYPES)}"
-        )
-    if deltanet_state != "float32" and not fast:
-        raise ConfigError(
-            f"engine argument deltanet_state={deltanet_state} applies to the fast engine (engine=fast)"
-        )
-    if kv_cache not in KV_DTYPES:
-        raise ConfigError(f"engine argument kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
-    if kv_cache != "bfloat16" and not fast:
-        raise ConfigError(f"engine argument kv_cache={kv_cache} applies to the fast engine (engine=fast)")
-    if bf16_experts and not fast:
-        raise ConfigError("engine argument bf16_experts=true applies to the fast engine (engine=fast)")
-    if not fast and (prefill_tokens, refill_fraction, prefill_graph_tokens) != (
-        PREFILL_TOKENS,
-        REFILL_FRACTION,
-        PREFILL_GRAPH_TOKENS,
-    ):
-        raise ConfigError(
-            "engine arguments prefill_tokens, refill_fraction and prefill_graph_tokens apply to the fast "
-            "engine (engine=fast)"
-        )
-    if fast and dtype not in (None, "bfloat16", "bf16", torch.bfloat16):
-        raise ConfigError(f"the fast engine computes in bfloat16; dtype={dtype!r} needs engine=reference")
+    _check_fit(opts, fast)
     if fast:
-        dtype = torch.bfloat16
-    if dtype is None:
+        torch_dtype = torch.bfloat16
+    elif dtype is None:
         torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    elif isinstance(dtype, torch.dtype):
-        torch_dtype = dtype
-    elif dtype in DTYPES:
-        torch_dtype = DTYPES[dtype]
     else:
-        raise ConfigError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+        torch_dtype = dtype if isinstance(dtype, torch.dtype) else DTYPES[dtype]
     started = time.perf_counter()
     raw = read_raw_config(path)
     config = model_config_from_hf(raw, source=str(path / "config.json"))
-    context_limit(config, max_model_len, str(path))  # these fail fast, before the weights load
+    context_limit(config, opts.max_model_len, str(path))  # these fail fast, before the weights load
     tokenizer = Tokenizer.from_pretrained(path)
     _, weights = load_checkpoint(path, config=config, device=dev, dtype=torch_dtype)
     quantization = describe_quantization(weights, raw)
@@ -192,14 +275,14 @@ def load_engine(
             weights,
             deltanet_state=STATE_DTYPES[deltanet_state],
             kv_cache=KV_DTYPES[kv_cache],
-            bf16_experts=bf16_experts,
+            bf16_experts=opts.bf16_experts,
         )
         generator = FastGenerator(
             kernel_model,
-            max_slots=max_slots,
-            prefill_tokens=prefill_tokens,
-            refill_fraction=refill_fraction,
-            prefill_graph_tokens=prefill_graph_tokens,
+            max_slots=opts.max_slots,
+            prefill_tokens=opts.prefill_tokens,
+            refill_fraction=opts.refill_fraction,
+            prefill_graph_tokens=opts.prefill_graph_tokens,
         )
         del weights
         # the state options change outputs too: recorded with the weights' format
@@ -214,7 +297,7 @@ def load_engine(
             dev,
             time.perf_counter() - started,
         )
-        return FastEngine(generator, tokenizer, str(path), quantization, max_model_len)
+        return FastEngine(generator, tokenizer, str(path), quantization, opts.max_model_len)
     model = QwenMoeModel(config, weights, dtype=torch_dtype)
     log.info(
         "loaded %s (%s, %s) on %s as %s in %.1f s",
@@ -230,6 +313,9 @@ def load_engine(
         tokenizer,
         model_path=str(path),
         quantization=quantization,
-        max_model_len=max_model_len,
-        max_batch_size=max_batch_size,
+        max_model_len=opts.max_model_len,
+        max_batch_size=opts.max_batch_size,
     )
+
+
+load_engine.check_args = check_engine_args  # type: ignore[attr-defined]  # run by jobs.engines.check_args

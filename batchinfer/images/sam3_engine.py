@@ -26,22 +26,13 @@ def load_engine(
     model_path: str, batch_size: str = "8", device: str = "", dtype: str = "", vit: str = "bf16"
 ) -> SegmenterEngine:
     """`FACTORY(model_path, **engine_args)` for `--engine batchinfer.images.sam3_engine:load_engine`."""
-    from batchinfer.sam3.fp8 import VIT_MODES, use_fp8_vit
+    from batchinfer.sam3.fp8 import use_fp8_vit
     from batchinfer.sam3.model import Sam3Model
 
     check_model(model_path)
-    try:
-        batch = int(batch_size)
-    except ValueError:
-        batch = 0
-    if batch < 1:
-        raise ConfigError(f"--engine-arg batch_size={batch_size!r}: expected a whole number >= 1")
+    batch = check_engine_args(batch_size, device, dtype, vit)
     device = _device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    if dtype not in DTYPES:
-        raise ConfigError(f"--engine-arg dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
-    if vit not in VIT_MODES:
-        raise ConfigError(f"--engine-arg vit={vit!r}: expected one of {', '.join(VIT_MODES)}")
     model = Sam3Model.from_checkpoint(model_path, device=device, dtype=DTYPES[dtype])
     if vit != "bf16":
         use_fp8_vit(model, mlp_only=vit == "fp8-mlp")
@@ -60,6 +51,34 @@ def load_engine(
     return SegmenterEngine(model, facts, batch_size=batch)
 
 
+def check_engine_args(batch_size: str = "8", device: str = "", dtype: str = "", vit: str = "bf16") -> int:
+    """The `--engine-arg` values, checked before a plan records them and again at load (no model, no GPU:
+    a plan may be made on a machine without the run's GPU); the batch size."""
+    from batchinfer.sam3.fp8 import VIT_MODES
+
+    try:
+        batch = int(batch_size)
+    except ValueError:
+        batch = 0
+    if batch < 1:
+        raise ConfigError(f"--engine-arg batch_size={batch_size!r}: expected a whole number >= 1")
+    if device:
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ConfigError(
+                f"--engine-arg device={device!r}: not a device; expected cpu or cuda[:N]"
+            ) from None
+    if dtype and dtype not in DTYPES:
+        raise ConfigError(f"--engine-arg dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    if vit not in VIT_MODES:
+        raise ConfigError(f"--engine-arg vit={vit!r}: expected one of {', '.join(VIT_MODES)}")
+    return batch
+
+
+load_engine.check_args = check_engine_args  # type: ignore[attr-defined]  # run by jobs.engines.check_args
+
+
 def check_model(model_path: str) -> None:
     """What the engine needs of --model, also checked before a plan records it: a plan can never run
     without a usable model, and rerunning with another --model is a different job."""
@@ -76,10 +95,6 @@ def _device(device: str) -> str:
     """The device to load on (default cuda when there is one), checked before the model is read."""
     if not device:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        raise ConfigError(f"--engine-arg device={device!r}: not a device; expected cpu or cuda[:N]") from None
-    if kind == "cuda" and not torch.cuda.is_available():
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--engine-arg device={device!r}: torch sees no CUDA GPU on this machine")
     return device
