@@ -66,6 +66,10 @@ def test_16_bit_greyscale_is_scaled_not_clipped(tmp_path):
     eight = np.array([[0, 100, 200, 255]], dtype=np.int32)  # an int32 TIFF of 8-bit data: mode "I" too
     Image.fromarray(eight).save(tmp_path / "g8.tif")
     assert load("g8.tif", str(tmp_path), None).image[0, :, 0].tolist() == [0, 100, 200, 255]
+    dim = b"P5 4 1 65535\n" + np.array([0, 100, 200, 255], ">u2").tobytes()  # a dark 16-bit PGM
+    (tmp_path / "dim.pgm").write_bytes(dim)
+    assert Image.open(tmp_path / "dim.pgm").mode == "I"  # scaled by its format, not guessed from its values
+    assert load("dim.pgm", str(tmp_path), None).image[0, :, 0].tolist() == [0, 0, 1, 1]
 
 
 def test_empty_sources_say_so(tmp_path):

@@ -72,3 +72,6 @@ def test_same_id_from_two_files_names_both_files(tmp_path):
     for inner in (d / "sub/*.jpg", d / "sub/img1.jpg"):  # another id for the same file: the first one holds
         _, images = sources.split_inputs([str(d), str(inner)])
         assert [i for i, _ in images] == ["img0.png", "sub/img1.jpg"]
+    (d / "link.png").symlink_to(d / "img0.png")  # two names of one file (a hub snapshot's blobs): two images
+    _, images = sources.split_inputs([str(d)])
+    assert [i for i, _ in images] == ["img0.png", "link.png", "sub/img1.jpg"]

@@ -354,13 +354,18 @@ def test_engine_arg_values_are_checked_before_the_plan(tmp_path):
         (["max_slots=abc"], "max_slots='abc' is not an integer"),
         (["engine=reference", "deltanet_state=float16"], "deltanet_state=float16 applies to the fast engine"),
         (["device=gpu"], "device 'gpu' is not a device"),
+        (
+            ["device=cpu", "kv_cache=fp8"],
+            "kv_cache=fp8 applies to the fast engine",
+        ),  # auto on a cpu: reference
     ):
         out = tmp_path / "bad"
         r = run_cli(*base, "-o", str(out), *[a for x in args for a in ("--engine-arg", x)])
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
         assert not (out / "plan.json").exists()
-    ok = ["--engine-arg", "device=cuda", "--engine-arg", "deltanet_state=float16", "--plan-only"]
-    assert run_cli(*base, "-o", str(tmp_path / "login"), *ok).returncode == 0  # checked on the GPU node
+    for i, args in enumerate((["device=cuda:1", "deltanet_state=float16"], ["engine=fast", "dtype=bf16"])):
+        ok = [*[a for x in args for a in ("--engine-arg", x)], "--plan-only"]
+        assert run_cli(*base, "-o", str(tmp_path / f"login{i}"), *ok).returncode == 0  # the GPU node checks
 
 
 def test_engine_arg_checks_take_the_loaders_arguments():

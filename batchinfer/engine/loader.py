@@ -193,20 +193,22 @@ def check_engine_args(
     """`load_engine`'s `--engine-arg` values checked without the model or a GPU, before a plan records
     them (a value the run would refuse otherwise needs `--force-new-plan` to correct). A plan may be made
     on a machine without the GPU its run gets: the device is checked for its spelling only, and the
-    options of one engine are refused for the other only where `engine` names it (`auto` picks at load)."""
+    options of one engine are refused for the other only where `engine` or `device` names it (`auto` on
+    `auto` picks at load)."""
     opts = _parse_args(
         engine, dtype, max_model_len, max_batch_size, max_slots, deltanet_state, kv_cache, bf16_experts,
         prefill_tokens, refill_fraction, prefill_graph_tokens,
     )  # fmt: skip
+    kind = None
     if device != "auto":
         try:
-            torch.device(device)
+            kind = torch.device(device).type
         except RuntimeError:
             raise ConfigError(
                 f"device {device!r} is not a device; expected auto, cpu, cuda or cuda:N"
             ) from None
-    if engine != "auto":
-        _check_fit(opts, engine == "fast")
+    if engine != "auto" or kind is not None:  # auto on a named device: fast exactly on cuda
+        _check_fit(opts, engine == "fast" or (engine == "auto" and kind == "cuda"))
 
 
 def load_engine(

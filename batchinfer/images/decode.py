@@ -34,17 +34,28 @@ class Decoded:
     error: str | None = None
 
 
-def _to_8_bit(img: Image.Image) -> Image.Image:
+def _sixteen_bit(img: Image.Image) -> bool | None:
+    """Whether an integer greyscale image holds 16-bit samples: modes I;16* always; mode I (as Pillow
+    opens 16-bit PNG and PGM files, and 16- or 32-bit TIFFs) unless a TIFF says otherwise (BitsPerSample
+    not 16: an int32 TIFF, often 0..255 data); None for a TIFF whose values must decide. Read before
+    `exif_transpose`, which drops the TIFF tags."""
+    if img.mode.startswith("I;16"):
+        return True
+    if img.mode != "I":
+        return False
+    if img.format != "TIFF":
+        return True
+    bits = img.tag_v2.get(258)  # type: ignore[attr-defined]
+    return True if (bits[0] if isinstance(bits, tuple) else bits) == 16 else None
+
+
+def _to_8_bit(img: Image.Image, sixteen: bool | None) -> Image.Image:
     """16-bit greyscale scaled to 8 bits, 65535 -> 255 (Pillow's own conversion clips every value above
-    255 to white): modes I;16*, and mode I (as Pillow opens some 16-bit PNG and TIFF files) when the file
-    says 16 bits a sample or holds values above 255. Mode I with 8-bit values (an int32 TIFF written from
-    0..255 data) is left as it is."""
-    if not img.mode.startswith("I"):
+    255 to white); an undecided TIFF (`_sixteen_bit`) only when it holds values above 255."""
+    if not sixteen and not img.mode.startswith("I"):
         return img
     wide = np.asarray(img)
-    bits = getattr(img, "tag_v2", {}).get(258)  # TIFF BitsPerSample
-    bits = bits[0] if isinstance(bits, tuple) else bits
-    if img.mode == "I" and bits != 16 and int(wide.max(initial=0)) <= 255:
+    if not sixteen and int(wide.max(initial=0)) <= 255:
         return img
     x = wide.astype(np.uint32) if wide.dtype.kind == "u" else np.clip(wide, 0, 65535).astype(np.uint32)
     np.minimum(x, 65535, out=x)
@@ -75,9 +86,10 @@ def load(source: str | bytes | None, base_dir: str, size: int | None) -> Decoded
                 width, height = height, width
             if size is not None and img.format == "JPEG":
                 img.draft("RGB", (size, size))
+            sixteen = _sixteen_bit(img)
             if orientation not in (None, 1):  # both calls copy the pixels even when they have nothing to do
                 img = ImageOps.exif_transpose(img)
-            rgb = img if img.mode == "RGB" else _to_8_bit(img).convert("RGB")
+            rgb = img if img.mode == "RGB" else _to_8_bit(img, sixteen).convert("RGB")
             if size is not None and rgb.size != (size, size):
                 rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
             pixels = np.array(rgb)

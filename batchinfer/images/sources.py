@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -68,17 +69,18 @@ def split_inputs(patterns: Sequence[str]) -> tuple[list[str], list[tuple[str, Pa
     with one id are refused."""
     parquet: list[str] = []
     paths: dict[str, Path] = {}  # id -> file; checked here, where the message can name both files
-    listed: set[Path] = set()
+    listed: set[str] = set()  # absolute paths as named: symlinks to one file stay separate images
     for pattern in patterns:
         found = _images_of(pattern)
         if found is None:
             parquet.append(pattern)
             continue
         for image_id, path in found:
-            path = path.resolve()
-            if path in listed:  # ids are relative to each folder or glob: the first one names it
+            named = os.path.abspath(path)
+            if named in listed:  # ids are relative to each folder or glob: the first one names it
                 continue
-            listed.add(path)
+            listed.add(named)
+            path = path.resolve()
             if paths.setdefault(image_id, path) != path:
                 raise InputError(
                     f"{pattern}: id {image_id!r} of {path} is also the id of {paths[image_id]}; ids (paths "
