@@ -15,6 +15,7 @@ import duckdb
 import pyarrow as pa
 from batchinfer.jobs import commit, inputs
 from batchinfer.jobs.plan import Plan
+from batchinfer.jobs.worker import plan_metadata
 
 from batchinfer.errors import BatchinferError, InputError
 
@@ -99,13 +100,7 @@ def export(job_dir: str | Path, out: str | Path, partial: bool = False) -> int:
             f"{plan.job_dir}: only {done} of {total} rows are done; finish the job (`batchinfer run --output "
             f"{plan.job_dir}`) or pass --partial to export what is there"
         )
-    meta = {
-        "batchinfer.plan_id": plan.plan_id,
-        "batchinfer.model": plan.doc["model"]["path"],
-        **task.metadata(plan),  # the job parameters (thresholds, sampling) the chunk files carry
-        "batchinfer.schema": f"{task.output_schema}/{plan.doc['schemas'][task.output_schema]}",
-    }
-    return write_relation(con, f"SELECT * FROM latest ORDER BY {task.order_sql}", out, meta)
+    return write_relation(con, f"SELECT * FROM latest ORDER BY {task.order_sql}", out, plan_metadata(plan))
 
 
 def rows_to_retry(job_dir: str | Path, reasons: list[str]) -> dict[int, list[int]]:

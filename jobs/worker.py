@@ -242,19 +242,27 @@ def _pipeline_note(stats: dict[str, Any]) -> str:
     )
 
 
-def file_metadata(plan: Plan, engine: TextEngine | ImageEngine) -> dict[str, str]:
-    """Key-value metadata on every output file: who made it, with what, under which plan."""
-    facts = engine.describe()
+def plan_metadata(plan: Plan) -> dict[str, str]:
+    """Key-value metadata of the plan behind an output file (chunks and exports): its model, the job's
+    parameters (thresholds, sampling) and the output schema."""
     task = plan.task
     return {
         "batchinfer.version": __version__,
         "batchinfer.plan_id": plan.plan_id,
         "batchinfer.model": plan.doc["model"]["path"],
         "batchinfer.model_config_hash": plan.doc["model"]["config_hash"],
-        "batchinfer.quantization": str(facts.get("quantization", "unknown")),
-        "batchinfer.engine": json.dumps(facts, sort_keys=True),
         **task.metadata(plan),
         "batchinfer.schema": f"{task.output_schema}/{plan.doc['schemas'][task.output_schema]}",
+    }
+
+
+def file_metadata(plan: Plan, engine: TextEngine | ImageEngine) -> dict[str, str]:
+    """Key-value metadata on every output file: who made it, with what, under which plan."""
+    facts = engine.describe()
+    return {
+        **plan_metadata(plan),
+        "batchinfer.quantization": str(facts.get("quantization", "unknown")),
+        "batchinfer.engine": json.dumps(facts, sort_keys=True),
     }
 
 
