@@ -52,10 +52,10 @@ def _sixteen_bit(img: Image.Image) -> bool | None:
 def _to_8_bit(img: Image.Image, sixteen: bool | None) -> Image.Image:
     """16-bit greyscale scaled to 8 bits, 65535 -> 255 (Pillow's own conversion clips every value above
     255 to white); an undecided TIFF (`_sixteen_bit`) only when it holds values above 255."""
-    if not sixteen and not img.mode.startswith("I"):
+    if sixteen is False:
         return img
     wide = np.asarray(img)
-    if not sixteen and int(wide.max(initial=0)) <= 255:
+    if sixteen is None and int(wide.max(initial=0)) <= 255:
         return img
     x = wide.astype(np.uint32) if wide.dtype.kind == "u" else np.clip(wide, 0, 65535).astype(np.uint32)
     np.minimum(x, 65535, out=x)
