@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -75,6 +76,26 @@ def test_make_checkpoint_cuda_without_gpu(tmp_path):
         _run(
             "make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(tmp_path / "x"), "--device", "cuda"
         )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--preset", "tiny-sam3", "--quant", "nvfp4"],
+            "--quant nvfp4: the SAM 3 presets are written unquantized",
+        ),
+        (
+            ["--preset", "tiny-qwen3-moe", "--format", "pt"],
+            "--format pt is for the SAM 3 presets; tiny-qwen3-moe is written as safetensors",
+        ),
+    ],
+)
+def test_make_checkpoint_refuses_conflicting_flags_before_making_the_folder(tmp_path, args, message):
+    """--format pt with a Qwen preset wrote safetensors without a word."""
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        _run("make-checkpoint", *args, "--out", str(tmp_path / "ck"))
+    assert not (tmp_path / "ck").exists()
 
 
 def test_bad_preset_is_a_usage_error(tmp_path):

@@ -103,11 +103,13 @@ def make_checkpoint_command(
     NVIDIA's do. The tokenizer is a small byte-level BPE trained on a built-in corpus, so token
     ids (BOS/EOS) differ from the real models'. Same seed and device give the same weights.
     """
-    check_out_dir(out, force)
     check_device(device)
+    if preset in SAM3_PRESETS and quant != "bf16":
+        raise CheckpointError(f"--quant {quant}: the SAM 3 presets are written unquantized (fp32)")
+    if preset not in SAM3_PRESETS and fmt != "safetensors":
+        raise CheckpointError(f"--format {fmt} is for the SAM 3 presets; {preset} is written as safetensors")
+    check_out_dir(out, force)  # after the flags' checks, so a refused command leaves no empty folder
     if preset in SAM3_PRESETS:
-        if quant != "bf16":
-            raise CheckpointError(f"--quant {quant}: the SAM 3 presets are written unquantized (fp32)")
         from batchinfer.sam3.checkpoint import write_random_sam3
         from batchinfer.sam3.config import Sam3Config
 

@@ -54,7 +54,7 @@ def quantize_command(src: Path, dst: Path, scheme: str, fmt: str, device: str, f
     """
     from batchinfer.checkpoint.quantize import quantize_checkpoint
 
-    check_out_dir(dst, force)
     check_device(device)
+    check_out_dir(dst, force)
     quantize_checkpoint(src, dst, scheme=scheme, device=device, method=fmt)
     click.echo(f"wrote {dst}: scheme {scheme}, {fmt} layout; {describe(dst)}")
