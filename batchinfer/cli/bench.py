@@ -57,7 +57,11 @@ def bench() -> None:
 )
 @click.option("--op", "ops", multiple=True, help="Only these kernels (repeatable), e.g. --op nvfp4_gemm.")
 @click.option(
-    "--m", "ms", multiple=True, type=int, help="Token counts (repeatable) [default: 1 8 32 128 512 4096]."
+    "--m",
+    "ms",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="Token counts (repeatable) [default: 1 8 32 128 512 4096].",
 )
 @click.option(
     "--json",
