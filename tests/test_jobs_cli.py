@@ -448,3 +448,15 @@ def test_eval_rerun_keeps_the_jobs_heldout_set(tmp_path):
     )
     r = run_cli("run", "--output", str(ev), "--progress", "none")
     assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr
+
+
+def test_eval_refuses_an_empty_output_not_taking_the_current_folder(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from batchinfer.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    args = ["eval", "-m", str(REPO / "models" / "demo-qwen3.5-moe"), "-o", "", "--tasks", "add"]
+    r = CliRunner().invoke(cli, [*args, "--n-per-task", "1", "--max-tokens", "2", "--progress", "none"])
+    assert r.exit_code == 2 and "Invalid value for '-o' / '--output': empty; expected a folder" in r.output
+    assert list(tmp_path.iterdir()) == []

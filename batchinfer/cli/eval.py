@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from batchinfer.cli.options import make_parent
+from batchinfer.cli.options import make_parent, output_folder
 from batchinfer.errors import InputError, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -43,7 +43,13 @@ def _prompts(table: pa.Table) -> str:
 
 @click.command("eval")
 @click.option("-m", "--model", required=True, help="Checkpoint folder to evaluate.")
-@click.option("-o", "--output", required=True, help="Job directory for the evaluation run (rerun to resume).")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    callback=output_folder,
+    help="Job directory for the evaluation run (rerun to resume).",
+)
 @click.option("--tasks", help="Comma-separated task names [all: add,reverse,sort,count,convert].")
 @click.option(
     "--n-per-task",
@@ -67,7 +73,7 @@ def _prompts(table: pa.Table) -> str:
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), help="Progress display.")
 def eval_command(
     model: str,
-    output: str,
+    output: Path,
     tasks: str | None,
     n_per_task: int,
     seed: int,

@@ -20,3 +20,13 @@ def make_parent(ctx: click.Context, param: click.Parameter, value: str | None) -
                 f"cannot create its folder {parent} ({e.strerror or e})", ctx, param
             ) from None
     return value
+
+
+def output_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+    """Callback of an output folder given as a string: an empty one (a quoted unset shell variable,
+    "$OUT") is refused, where Path("") would quietly be the current folder."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("empty; expected a folder", ctx, param)
+    return Path(value)

@@ -7,11 +7,12 @@ from pathlib import Path
 import click
 
 from batchinfer.cli.make_checkpoint import check_device, check_out_dir, describe
+from batchinfer.cli.options import output_folder
 
 
 @click.command("quantize")
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(), callback=output_folder)
 @click.option(
     "--scheme",
     required=True,
