@@ -95,7 +95,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     try:
         doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object, found {type(doc).__name__}")
@@ -167,7 +167,10 @@ class Tokenizer:
     def _find_template(path: Path, value: Any) -> str | None:
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():  # transformers lets the separate file win over the config entry
-            return jinja_file.read_text()
+            try:
+                return jinja_file.read_text()
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{jinja_file}: not UTF-8 text ({e})") from None
         if isinstance(value, list):  # named templates: [{"name": "default", "template": "..."}, ...]
             named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
             return named.get("default")

@@ -273,8 +273,15 @@ def verify_inputs(plan: Plan) -> None:
         )
 
 
-def open_or_create(candidate: Plan) -> Plan:
-    """The job's plan: `candidate` if none exists yet, else the existing one if it describes the same job."""
+RESUME_HINT = (
+    "Rerun with the original arguments to resume, use a new --output directory, "
+    "or pass --force-new-plan to set the old results aside and start over"
+)
+
+
+def open_or_create(candidate: Plan, hint: str = RESUME_HINT) -> Plan:
+    """The job's plan: `candidate` if none exists yet, else the existing one if it describes the same job.
+    `hint` ends the error for a different job (`eval` has no --force-new-plan to offer)."""
     if candidate.save():
         log.info(
             "wrote %s (plan %s, %d rows, %d shards)",
@@ -289,10 +296,7 @@ def open_or_create(candidate: Plan) -> Plan:
     if changes:
         raise PlanMismatchError(
             f"{existing.job_dir / commit.PLAN_FILE} describes a different job (plan {existing.plan_id}); "
-            "changed: "
-            + "; ".join(changes)
-            + ". Rerun with the original arguments to resume, use a new --output directory, "
-            "or pass --force-new-plan to set the old results aside and start over"
+            "changed: " + "; ".join(changes) + f". {hint}"
         )
     if existing.doc["batchinfer_version"] != __version__:
         log.warning(

@@ -150,3 +150,13 @@ def test_commit_id_prefers_the_environment(monkeypatch):
     monkeypatch.delenv("BATCHINFER_COMMIT")
     found = commit_id()
     assert found == "unknown" or (len(found) >= 7 and all(c in "0123456789abcdef" for c in found))
+
+
+def test_cli_refuses_a_token_count_below_one():
+    """Before the GPU check: a machine without CUDA answers it too (it built cases of 0 tokens)."""
+    from click.testing import CliRunner
+
+    from batchinfer.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", "kernels", "--m", "8", "--m", "0"])
+    assert res.exit_code == 2 and "Invalid value for '--m': 0 is not in the range x>=1." in res.output

@@ -142,7 +142,7 @@ def test_broken_engines_fail_the_lock(tiny, broken):
 
 
 def test_cli_single_on_the_tiny_preset(tmp_path):
-    out = tmp_path / "single.json"
+    out = tmp_path / "new" / "single.json"  # --json's folder is made, as export makes its output's
     args = ["bench", "run", "--workload", "single", "--preset", "tiny-qwen3.5-moe", "--random"]
     args += ["--quant", "nvfp4", "--dtype", "bf16", "--max-in", "48", "--max-out", "40", "--json", str(out)]
     res = CliRunner().invoke(cli, args, catch_exceptions=False)
@@ -169,6 +169,39 @@ def test_cli_single_on_the_tiny_preset(tmp_path):
     assert doc["peer"] is None and set(doc["environment"]) == {"commit", "date", "device", "torch"}
     assert "workload single (deviations: max_in=48, max_out=40, token_ids_mod_vocab=512)" in res.output
     assert "accuracy lock passed: 1 sequences, 40 tokens" in res.output
+
+
+def test_cli_run_refuses_values_and_flags_its_engine_cannot_take(tmp_path, monkeypatch):
+    """Refused in one line before any weights are drawn; each was a traceback or silently ignored."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    (tmp_path / "file").write_text("")
+    base = [
+        "bench",
+        "run",
+        "--workload",
+        "single",
+        "--preset",
+        "tiny-qwen3-moe",
+        "--random",
+        "--device",
+        "cpu",
+    ]
+    for extra, message in (
+        (["--max-batch-size", "0"], "Invalid value for '--max-batch-size': 0 is not in the range x>=1."),
+        (["--peer", "hf", "--peer-max-requests", "0"], "Invalid value for '--peer-max-requests': 0 is not"),
+        (["--breakdown", "8"], "--breakdown profiles the fast engine's kernels (--engine fast)"),
+        (["--engine", "fast", "--max-batch-size", "4"], "--max-batch-size applies to the reference engine"),
+        (
+            ["--engine", "fast"],
+            "--engine fast runs Triton kernels and needs a CUDA device; --device cpu is cpu",
+        ),
+        (
+            ["--json", str(tmp_path / "file" / "r.json")],
+            f"Invalid value for '--json': cannot create its folder {tmp_path / 'file'} (",
+        ),
+    ):
+        res = CliRunner().invoke(cli, [*base, *extra])
+        assert res.exit_code == 2 and message in res.output, (extra, res.output)
 
 
 def test_cli_breakdown_checks_its_model_and_needs_a_gpu():

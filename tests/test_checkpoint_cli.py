@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -75,6 +76,47 @@ def test_make_checkpoint_cuda_without_gpu(tmp_path):
         _run(
             "make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(tmp_path / "x"), "--device", "cuda"
         )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--preset", "tiny-sam3", "--quant", "nvfp4"],
+            "--quant nvfp4: the SAM 3 presets are written unquantized",
+        ),
+        (
+            ["--preset", "tiny-qwen3-moe", "--format", "pt"],
+            "--format pt is for the SAM 3 presets; tiny-qwen3-moe is written as safetensors",
+        ),
+    ],
+)
+def test_make_checkpoint_refuses_conflicting_flags_before_making_the_folder(tmp_path, args, message):
+    """--format pt with a Qwen preset wrote safetensors without a word."""
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        _run("make-checkpoint", *args, "--out", str(tmp_path / "ck"))
+    assert not (tmp_path / "ck").exists()
+
+
+def test_empty_output_folder_is_refused_not_taken_as_the_current_one(tiny_checkpoint, tmp_path, monkeypatch):
+    """`--out "$OUT"` with OUT unset wrote the checkpoint into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", ""])
+    assert res.exit_code == 2 and "Invalid value for '--out': empty; expected a folder" in res.output
+    res = CliRunner().invoke(
+        cli, ["quantize", str(tiny_checkpoint("tiny-qwen3-moe")), " ", "--scheme", "nvfp4"]
+    )
+    assert res.exit_code == 2 and "Invalid value for 'DST': empty; expected a folder" in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sam3_pt_checkpoint_is_not_overwritten_without_force(tmp_path):
+    args = ["make-checkpoint", "--preset", "tiny-sam3", "--format", "pt", "--out", str(tmp_path)]
+    (tmp_path / "sam3.pt").write_bytes(b"a real checkpoint")
+    with pytest.raises(CheckpointError, match="already holds a checkpoint; pass --force to overwrite it"):
+        _run(*args)
+    assert (tmp_path / "sam3.pt").read_bytes() == b"a real checkpoint"
+    assert _run(*args, "--force").exit_code == 0
 
 
 def test_bad_preset_is_a_usage_error(tmp_path):

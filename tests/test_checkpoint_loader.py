@@ -13,7 +13,8 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeCo
 
 from batchinfer.checkpoint.loader import load_checkpoint
 from batchinfer.checkpoint.presets import build_checkpoint
-from batchinfer.errors import CheckpointError
+from batchinfer.errors import CheckpointError, ConfigError
+from batchinfer.models.config import ModelConfig
 
 SMALL = dict(
     vocab_size=128,
@@ -120,6 +121,19 @@ def test_misshaped_and_mistyped_tensors_are_named(tiny_checkpoint, tmp_path):
     msg = str(e.value)
     assert "tensor model.layers.1.mlp.experts.3.up_proj.weight has shape [32, 63], expected [32, 64]" in msg
     assert msg.endswith("tensor model.norm.weight has dtype int32, expected float32/float16/bfloat16/float64")
+
+
+def test_config_json_that_is_a_folder_is_a_config_error(tiny_checkpoint, tmp_path):
+    """A folder where config.json should be (as the weights loader and the job plan read it)."""
+    dst = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint("tiny-qwen3-moe"), dst)
+    (dst / "config.json").unlink()
+    (dst / "config.json").mkdir()
+    message = rf"{dst / 'config.json'}: cannot be read \(Is a directory\); expected a JSON file"
+    with pytest.raises(ConfigError, match=message):
+        load_checkpoint(dst)
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_pretrained(dst)
 
 
 def test_unknown_tensors_are_an_error_and_mtp_visual_are_skipped(tiny_checkpoint, tmp_path, caplog):

@@ -405,3 +405,58 @@ def test_a_model_replaced_in_place_is_refused_on_resume(tmp_path):
     (tmp_path / "model" / "hf_quant_config.json").unlink()
     assert run_cli("run", "--output", str(out), "--progress", "none").returncode == 0
     assert json.loads(run_cli("status", str(out), "--json").stdout)["rows_done"] == 20
+
+
+def test_eval_refuses_bad_arguments_before_writing_anything(tmp_path):
+    model = REPO / "models" / "demo-qwen3.5-moe"
+    (tmp_path / "file").write_text("")
+    for args, message in (
+        (
+            ["-m", str(model), "--n-per-task", "-3"],
+            "Invalid value for '--n-per-task': -3 is not in the range",
+        ),
+        (["-m", str(model), "--max-tokens", "0"], "Invalid value for '--max-tokens': 0 is not in the range"),
+        (["-m", str(tmp_path / "nope")], f"error: {tmp_path / 'nope'}: no config.json found"),
+        (["-m", str(model), "-o", str(tmp_path / "file")], f"error: --output {tmp_path / 'file'}: a file;"),
+    ):
+        r = run_cli("eval", "-o", str(tmp_path / "ev"), *args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "ev").exists()
+
+
+def test_eval_rerun_keeps_the_jobs_heldout_set(tmp_path):
+    """A rerun with another held-out set is refused before it overwrites the job's input file (a resume
+    of the job then found its input changed); other changes get a hint eval can follow."""
+    ev = tmp_path / "ev"
+    base = ["eval", "-m", str(REPO / "models" / "demo-qwen3.5-moe"), "-o", str(ev), "--progress", "none"]
+    base += ["--tasks", "add,sort", "--n-per-task", "2", "--max-tokens", "8"]
+    r = run_cli(*base, "--json", str(tmp_path / "new" / "ev.json"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "new" / "ev.json").read_text())["n_per_task"] == 2
+    heldout = (ev / "heldout.parquet").read_bytes()
+    r = run_cli(*base, "--n-per-task", "3")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {ev / 'heldout.parquet'}: this evaluation job's held-out set is 4 prompts of add, sort; "
+        "--n-per-task 3 --seed 1 --tasks add,sort gives 6 prompts of add, sort. Rerun with the job's own "
+        "--n-per-task, --seed and --tasks to resume, or use a new --output directory"
+    ]
+    assert (ev / "heldout.parquet").read_bytes() == heldout
+    r = run_cli(*base, "--max-tokens", "4")
+    assert r.returncode == 2 and "changed: sampling:" in r.stderr and "--force-new-plan" not in r.stderr
+    assert r.stderr.rstrip().endswith(
+        "Rerun with the original arguments to resume, or use a new --output directory"
+    )
+    r = run_cli("run", "--output", str(ev), "--progress", "none")
+    assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr
+
+
+def test_eval_refuses_an_empty_output_not_taking_the_current_folder(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from batchinfer.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    args = ["eval", "-m", str(REPO / "models" / "demo-qwen3.5-moe"), "-o", "", "--tasks", "add"]
+    r = CliRunner().invoke(cli, [*args, "--n-per-task", "1", "--max-tokens", "2", "--progress", "none"])
+    assert r.exit_code == 2 and "Invalid value for '-o' / '--output': empty; expected a folder" in r.output
+    assert list(tmp_path.iterdir()) == []

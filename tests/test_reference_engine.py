@@ -271,6 +271,58 @@ def test_cli_generate_errors(ckpt, tmp_path):
     assert "expected one chat" in str(result.exception)
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--temperature", "nan", "temperature must be a finite number >= 0, got nan"),
+        ("--temperature", "inf", "temperature must be a finite number >= 0, got inf"),
+        ("--top-p", "nan", r"top_p must be in (0, 1], got nan"),
+    ],
+)
+def test_cli_generate_refuses_sampling_values_click_lets_through(ckpt, flag, value, message):
+    args = ["generate", "--model", str(ckpt), "--prompt", "hi", "--device", "cpu", flag, value]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and f"Error: sampling parameters: {message}\n" in result.output
+
+
+def test_cli_generate_chat_file_not_utf8(ckpt, tmp_path):
+    bad = tmp_path / "chat.json"
+    bad.write_bytes(b"\xff\xfe[]")
+    result = CliRunner().invoke(cli, ["generate", "--model", str(ckpt), "--messages-json", str(bad)])
+    assert result.exit_code != 0
+    assert str(result.exception).startswith(f"{bad}: not UTF-8 text ('utf-8' codec can't decode byte 0xff")
+
+
+def test_cli_generate_interrupted_prints_what_finished(ckpt, engine, monkeypatch):
+    """Ctrl-C after one completion finished: it is printed, the unfinished ones are counted, exit 130."""
+    from batchinfer.engine import loader
+
+    class StoppedAfterOne:
+        def describe(self):
+            return engine.describe()
+
+        def generate(self, requests, on_tokens=None):
+            yield from engine.generate(requests[1:2], on_tokens)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader, "load_engine", lambda *a, **k: StoppedAfterOne())
+    sampling = SamplingParams(max_tokens=4, seed=1)
+    ref = run(engine, [TextRequest(1, prompt=PROMPTS[1], sampling=sampling)])[1]
+    args = [
+        "generate",
+        "--model",
+        str(ckpt),
+        "--max-tokens",
+        "4",
+        *(a for p in PROMPTS[:3] for a in ("--prompt", p)),
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 130
+    header = f"=== [1] {ref.finish_reason}: {ref.prompt_tokens} prompt + {ref.output_tokens} output tokens"
+    assert result.stdout == f"{header}\n{ref.text}\n"
+    assert result.stderr.endswith("interrupted: 2 of 3 completions unfinished\n")
+
+
 @pytest.mark.gpu
 def test_gpu_engine_matches_cpu(ckpt, engine):
     """On CUDA the default is bf16; in fp32 the GPU engine reproduces the CPU engine's greedy tokens."""

@@ -246,6 +246,15 @@ def test_malformed_side_files_are_config_errors(tmp_path, file, content, match):
         Tokenizer.from_pretrained(d)
 
 
+@pytest.mark.parametrize("file", ["generation_config.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_side_files_that_are_not_utf8_are_config_errors(tmp_path, file):
+    d = write_bytelevel(tmp_path / "m")
+    (d / file).write_bytes(b"\xff\xfe{}")
+    message = rf"{file}: not (valid JSON|UTF-8 text) \('utf-8' codec can't decode"
+    with pytest.raises(ConfigError, match=message):
+        Tokenizer.from_pretrained(d)
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(ConfigError, match="no tokenizer.json found"):
         Tokenizer.from_pretrained(tmp_path)

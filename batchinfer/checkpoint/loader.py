@@ -64,6 +64,8 @@ def read_raw_config(folder: Path) -> dict[str, Any]:
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    except OSError as e:  # a folder named config.json, an unreadable file
+        raise ConfigError(f"{file}: cannot be read ({e.strerror or e}); expected a JSON file") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object, found {type(raw).__name__}")
     return raw

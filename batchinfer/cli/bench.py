@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import click
+
+from batchinfer.cli.options import make_parent
 
 
 def _llm_weights(f):
@@ -54,12 +57,17 @@ def bench() -> None:
 )
 @click.option("--op", "ops", multiple=True, help="Only these kernels (repeatable), e.g. --op nvfp4_gemm.")
 @click.option(
-    "--m", "ms", multiple=True, type=int, help="Token counts (repeatable) [default: 1 8 32 128 512 4096]."
+    "--m",
+    "ms",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="Token counts (repeatable) [default: 1 8 32 128 512 4096].",
 )
 @click.option(
     "--json",
     "json_out",
     type=click.Path(dir_okay=False, writable=True),
+    callback=make_parent,
     help="Also write the environment and every result row to this JSON file.",
 )
 def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str | None) -> None:
@@ -109,7 +117,11 @@ def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str
     "--bf16-experts", is_flag=True, help="Keep the NVFP4 experts decoded to bf16 (as `bench run` does)."
 )
 @click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the profiles here."
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, writable=True),
+    callback=make_parent,
+    help="Write the profiles here.",
 )
 def breakdown_cmd(
     model_path: str | None,
@@ -173,7 +185,11 @@ def breakdown_cmd(
     help="fast: our kernels, slots and CUDA graphs (bf16) [default on CUDA]; reference: plain PyTorch.",
 )
 @click.option(
-    "--max-batch-size", default=16, show_default=True, type=int, help="Reference engine batch rows."
+    "--max-batch-size",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Reference engine batch rows.",
 )
 @click.option(
     "--max-slots",
@@ -247,7 +263,11 @@ def breakdown_cmd(
 )
 @click.option("--peer", type=click.Choice(["hf"]), help="Also run Hugging Face transformers on the workload.")
 @click.option(
-    "--peer-max-requests", default=32, show_default=True, type=int, help="Cap of the peer's requests."
+    "--peer-max-requests",
+    default=32,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Cap of the peer's requests.",
 )
 @click.option(
     "--workloads",
@@ -258,13 +278,17 @@ def breakdown_cmd(
 @click.option(
     "--breakdown",
     "breakdown_batch",
-    type=int,
+    type=click.IntRange(min=1),
     help="Fast engine: profile one decode step at this batch and the first workload's first prefill pass "
     "(its prompt length, as many prompts as one pass of --prefill-tokens holds), per kernel, before the "
     "runs.",
 )
 @click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, writable=True),
+    callback=make_parent,
+    help="Write the result here.",
 )
 def run(
     workload: str,
@@ -328,6 +352,15 @@ def run(
         raise click.UsageError("--kv-cache applies to the fast engine (--engine fast)")
     if bf16_experts and engine_name != "fast":
         raise click.UsageError("--bf16-experts applies to the fast engine (--engine fast)")
+    if breakdown_batch and engine_name != "fast":
+        raise click.UsageError("--breakdown profiles the fast engine's kernels (--engine fast)")
+    if max_batch_size != 16 and engine_name != "reference":
+        raise click.UsageError("--max-batch-size applies to the reference engine (--engine reference)")
+    if engine_name == "fast" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise click.UsageError(
+            f"--engine fast runs Triton kernels and needs a CUDA device; --device {device} is {dev} "
+            "(--engine reference runs anywhere; TRITON_INTERPRET=1 interprets the kernels on a CPU: tests)"
+        )
     schedule = (max_slots, prefill_tokens, refill_fraction, prefill_graph_tokens)
     if schedule != ((1024,), (65536,), (0.125,), 2048) and engine_name != "fast":
         raise click.UsageError(
@@ -521,7 +554,11 @@ def format_result(result: dict) -> list[str]:
     help="Workloads file [default: the copy shipped with batchinfer].",
 )
 @click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="Write the result here."
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, writable=True),
+    callback=make_parent,
+    help="Write the result here.",
 )
 def images(
     workload: str,

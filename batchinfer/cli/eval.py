@@ -4,23 +4,76 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+from batchinfer.cli.options import make_parent, output_folder
+from batchinfer.errors import InputError, PlanMismatchError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+def _heldout(job_dir: Path, n_per_task: int, seed: int, tasks: list[str] | None) -> Path:
+    """OUTPUT/heldout.parquet, the job's input. A job's own file is kept: other --n-per-task, --seed or
+    --tasks are refused before they overwrite it (a resume would then find its input changed)."""
+    import pyarrow.parquet as pq
+
+    from batchinfer.demo.evaluate import heldout_table, write_heldout
+    from batchinfer.jobs.commit import PLAN_FILE
+
+    path = job_dir / "heldout.parquet"
+    if not ((job_dir / PLAN_FILE).exists() and path.is_file()):
+        return write_heldout(path, n_per_task, seed, tasks)
+    old, new = pq.read_table(path), heldout_table(n_per_task, seed, tasks)
+    if not old.equals(new):
+        flags = f"--n-per-task {n_per_task} --seed {seed}" + (f" --tasks {','.join(tasks)}" if tasks else "")
+        raise PlanMismatchError(
+            f"{path}: this evaluation job's held-out set is {_prompts(old)}; {flags} gives {_prompts(new)}. "
+            "Rerun with the job's own --n-per-task, --seed and --tasks to resume, or use a new --output "
+            "directory"
+        )
+    return path
+
+
+def _prompts(table: pa.Table) -> str:
+    return f"{table.num_rows} prompts of {', '.join(sorted(set(table.column('task').to_pylist())))}"
 
 
 @click.command("eval")
 @click.option("-m", "--model", required=True, help="Checkpoint folder to evaluate.")
-@click.option("-o", "--output", required=True, help="Job directory for the evaluation run (rerun to resume).")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    callback=output_folder,
+    help="Job directory for the evaluation run (rerun to resume).",
+)
 @click.option("--tasks", help="Comma-separated task names [all: add,reverse,sort,count,convert].")
-@click.option("--n-per-task", type=int, default=200, show_default=True, help="Held-out prompts per task.")
+@click.option(
+    "--n-per-task",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Held-out prompts per task.",
+)
 @click.option("--seed", type=int, default=1, show_default=True, help="Seed of the held-out set.")
-@click.option("--max-tokens", type=int, default=32, show_default=True, help="Most tokens per answer.")
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Most tokens per answer."
+)
 @click.option("--engine-arg", multiple=True, help="KEY=VALUE passed to the engine (e.g. device=cpu).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the figures as JSON.")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False),
+    callback=make_parent,
+    help="Also write the figures as JSON.",
+)
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), help="Progress display.")
 def eval_command(
     model: str,
-    output: str,
+    output: Path,
     tasks: str | None,
     n_per_task: int,
     seed: int,
@@ -36,9 +89,10 @@ def eval_command(
     results joined with the expected answers. Prints a table; --json writes the same figures.
     """
     from batchinfer.cli.run import default_progress, execute
-    from batchinfer.demo.evaluate import accuracy, write_heldout
+    from batchinfer.demo.evaluate import accuracy
     from batchinfer.demo.tasks import get_task
     from batchinfer.jobs import plan as plans
+    from batchinfer.jobs import tasks as job_tasks
     from batchinfer.jobs.engines import check_args, parse_args
 
     try:
@@ -48,7 +102,10 @@ def eval_command(
     engine_args = parse_args(engine_arg)
     check_args(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
     job_dir = Path(output).resolve()
-    prompts = write_heldout(job_dir / "heldout.parquet", n_per_task, seed, names)
+    if job_dir.exists() and not job_dir.is_dir():
+        raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")
+    job_tasks.get("llm").describe_model(model)  # a bad --model stops before anything is written
+    prompts = _heldout(job_dir, n_per_task, seed, names)
     plan = plans.open_or_create(
         plans.build_plan(
             job_dir,
@@ -64,7 +121,8 @@ def eval_command(
             },
             keep_columns=["task", "answer"],
             engine_args=engine_args,
-        )
+        ),
+        hint="Rerun with the original arguments to resume, or use a new --output directory",
     )
     code = execute(plan, list(range(plan.num_shards)), progress or default_progress())
     if code:

@@ -12,9 +12,12 @@ from batchinfer.errors import InputError
 
 def _read_chats(file: str) -> list[list[dict[str, Any]]]:
     """One chat (a list of messages) or a list of chats, from a JSON file or `-` for stdin."""
-    with click.open_file(file, encoding="utf-8") as f:  # "-" is stdin
-        text = f.read()
     name = "stdin" if file == "-" else file
+    try:
+        with click.open_file(file, encoding="utf-8") as f:  # "-" is stdin
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{name}: not UTF-8 text ({e})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -113,7 +116,8 @@ def generate(
 
     A quick way to try a checkpoint: each completion is printed under a header with its finish
     reason and token counts. Rows that cannot run (too long for the context, malformed chat) are
-    printed with the reason and the command exits 1.
+    printed with the reason and the command exits 1. Ctrl-C prints the completions that had finished
+    and exits 130.
 
     \b
     Examples:
@@ -122,26 +126,29 @@ def generate(
     """
     if not prompts and not messages_json:
         raise click.UsageError("give at least one --prompt or a --messages-json file")
-    from batchinfer.engine.api import SamplingParams, TextRequest
+    from batchinfer.engine.api import SamplingParams, TextRequest, TextResult
     from batchinfer.engine.loader import load_engine
 
     chats = _read_chats(messages_json) if messages_json else []
     inputs: list[dict[str, Any]] = [{"prompt": p} for p in prompts] + [{"messages": c} for c in chats]
-    requests = [
-        TextRequest(
-            index=i,
-            sampling=SamplingParams(
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=seed + i,
-                stop=list(stop),
-            ),
-            **inp,
-        )
-        for i, inp in enumerate(inputs)
-    ]
+    try:
+        requests = [
+            TextRequest(
+                index=i,
+                sampling=SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    seed=seed + i,
+                    stop=list(stop),
+                ),
+                **inp,
+            )
+            for i, inp in enumerate(inputs)
+        ]
+    except ValueError as e:  # nan and inf, which click's ranges let through
+        raise click.UsageError(f"sampling parameters: {e}") from None
     engine = load_engine(model_path, device=device, dtype=dtype, max_model_len=max_model_len)
     facts = engine.describe()
     click.echo(
@@ -152,11 +159,17 @@ def generate(
     from tqdm import tqdm
 
     failed = 0
+    done: list[TextResult] = []
+    interrupted = False
     with tqdm(
         total=max_tokens * len(requests), unit="tok", desc="generating", leave=False, disable=None
     ) as bar:
-        results = sorted(engine.generate(requests, on_tokens=bar.update), key=lambda r: r.index)
-    for r in results:
+        try:
+            for r in engine.generate(requests, on_tokens=bar.update):
+                done.append(r)
+        except KeyboardInterrupt:  # Ctrl-C: the completions that finished are still printed
+            interrupted = True
+    for r in sorted(done, key=lambda r: r.index):
         click.echo(
             f"=== [{r.index}] {r.finish_reason}: {r.prompt_tokens} prompt + {r.output_tokens} output tokens"
         )
@@ -165,5 +178,10 @@ def generate(
             click.echo(f"{r.finish_reason}: {r.error}")
         else:
             click.echo(r.text)
+    if interrupted:
+        click.echo(
+            f"interrupted: {len(requests) - len(done)} of {len(requests)} completions unfinished", err=True
+        )
+        raise SystemExit(130)
     if failed:
         raise SystemExit(1)

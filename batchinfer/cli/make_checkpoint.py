@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from batchinfer.cli.options import output_folder
 from batchinfer.errors import CheckpointError
 
 PRESETS = ("qwen3.6-35b-a3b", "qwen3-30b-a3b", "tiny-qwen3.5-moe", "tiny-qwen3-moe", "sam3", "tiny-sam3")
@@ -17,7 +18,8 @@ def check_out_dir(out: Path, force: bool) -> None:
     created, before any weights are drawn or quantized."""
     if out.is_file():
         raise CheckpointError(f"{out}: exists and is a file; expected a folder")
-    if not force and out.is_dir() and any(out.glob("*.safetensors")) | (out / "config.json").exists():
+    held = [*out.glob("*.safetensors"), *out.glob("*.pt"), out / "config.json"] if out.is_dir() else []
+    if not force and any(f.exists() for f in held):  # *.pt: a SAM 3 checkpoint in Meta's format
         raise CheckpointError(f"{out}: already holds a checkpoint; pass --force to overwrite it")
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -48,7 +50,12 @@ def check_device(device: str) -> None:
     "--preset", required=True, type=click.Choice(PRESETS), help="Architecture and size (see above)."
 )
 @click.option(
-    "--out", "out", required=True, type=click.Path(path_type=Path), help="Folder to write (created)."
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(),
+    callback=output_folder,
+    help="Folder to write (created).",
 )
 @click.option(
     "--quant",
@@ -103,11 +110,13 @@ def make_checkpoint_command(
     NVIDIA's do. The tokenizer is a small byte-level BPE trained on a built-in corpus, so token
     ids (BOS/EOS) differ from the real models'. Same seed and device give the same weights.
     """
-    check_out_dir(out, force)
     check_device(device)
+    if preset in SAM3_PRESETS and quant != "bf16":
+        raise CheckpointError(f"--quant {quant}: the SAM 3 presets are written unquantized (fp32)")
+    if preset not in SAM3_PRESETS and fmt != "safetensors":
+        raise CheckpointError(f"--format {fmt} is for the SAM 3 presets; {preset} is written as safetensors")
+    check_out_dir(out, force)  # after the flags' checks, so a refused command leaves no empty folder
     if preset in SAM3_PRESETS:
-        if quant != "bf16":
-            raise CheckpointError(f"--quant {quant}: the SAM 3 presets are written unquantized (fp32)")
         from batchinfer.sam3.checkpoint import write_random_sam3
         from batchinfer.sam3.config import Sam3Config
 

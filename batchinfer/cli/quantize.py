@@ -7,11 +7,12 @@ from pathlib import Path
 import click
 
 from batchinfer.cli.make_checkpoint import check_device, check_out_dir, describe
+from batchinfer.cli.options import output_folder
 
 
 @click.command("quantize")
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(), callback=output_folder)
 @click.option(
     "--scheme",
     required=True,
@@ -54,7 +55,7 @@ def quantize_command(src: Path, dst: Path, scheme: str, fmt: str, device: str, f
     """
     from batchinfer.checkpoint.quantize import quantize_checkpoint
 
-    check_out_dir(dst, force)
     check_device(device)
+    check_out_dir(dst, force)
     quantize_checkpoint(src, dst, scheme=scheme, device=device, method=fmt)
     click.echo(f"wrote {dst}: scheme {scheme}, {fmt} layout; {describe(dst)}")

@@ -243,4 +243,6 @@ class ModelConfig:
             ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{file}: not valid JSON ({e})") from None
+        except OSError as e:  # a folder named config.json, an unreadable file
+            raise ConfigError(f"{file}: cannot be read ({e.strerror or e}); expected a JSON file") from None
         return cls.from_hf(raw, source=str(file))
