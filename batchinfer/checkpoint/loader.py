@@ -7,7 +7,6 @@ straight onto the target device. Fused 3-D experts become per-expert views (no c
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -19,9 +18,9 @@ import torch
 from batchinfer.checkpoint import layout
 from batchinfer.checkpoint.quant_config import COMPRESSED_TENSORS, FP8, NVFP4, QuantConfig, read_quant_config
 from batchinfer.checkpoint.safetensors_io import TensorInfo, TensorSource
-from batchinfer.errors import CheckpointError, ConfigError
+from batchinfer.errors import CheckpointError
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, tensor_scale_from_ct_global
-from batchinfer.models.config import ModelConfig
+from batchinfer.models.config import ModelConfig, read_config_json
 
 log = logging.getLogger(__name__)
 Weight = torch.Tensor | NVFP4Weight | FP8Weight
@@ -55,20 +54,7 @@ def model_config_from_hf(raw: Mapping[str, Any], source: str = "config.json") ->
 
 
 def read_raw_config(folder: Path) -> dict[str, Any]:
-    file = folder / "config.json"
-    try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{file}: no config.json found (is {folder} a Hugging Face checkpoint folder?)"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    except OSError as e:  # a folder named config.json, an unreadable file
-        raise ConfigError(f"{file}: cannot be read ({e.strerror or e}); expected a JSON file") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{file}: expected a JSON object, found {type(raw).__name__}")
-    return raw
+    return read_config_json(folder / "config.json")
 
 
 def load_checkpoint(

@@ -235,14 +235,21 @@ class ModelConfig:
         """Read `config.json` from a checkpoint folder (or the file itself)."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        try:
-            raw = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise ConfigError(
-                f"{file}: no config.json found (is {path} a Hugging Face checkpoint folder?)"
-            ) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{file}: not valid JSON ({e})") from None
-        except OSError as e:  # a folder named config.json, an unreadable file
-            raise ConfigError(f"{file}: cannot be read ({e.strerror or e}); expected a JSON file") from None
-        return cls.from_hf(raw, source=str(file))
+        return cls.from_hf(read_config_json(file), source=str(file))
+
+
+def read_config_json(file: Path) -> dict[str, Any]:
+    """A checkpoint's `config.json` as a dict, or a ConfigError naming the file and what is wrong."""
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{file}: no config.json found (is {file.parent} a Hugging Face checkpoint folder?)"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    except OSError as e:  # a folder named config.json, an unreadable file
+        raise ConfigError(f"{file}: cannot be read ({e.strerror or e}); expected a JSON file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object, found {type(raw).__name__}")
+    return raw
