@@ -101,7 +101,7 @@ def eval_command(
         raise click.BadParameter(str(e), param_hint="--tasks") from None
     engine_args = parse_args(engine_arg)
     check_args(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
-    job_dir = Path(output).resolve()
+    job_dir = output.resolve()
     if job_dir.exists() and not job_dir.is_dir():
         raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")
     job_tasks.get("llm").describe_model(model)  # a bad --model stops before anything is written
