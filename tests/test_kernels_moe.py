@@ -50,13 +50,15 @@ def _weights(e: int, d: int, i: int, quant: bool, shared: bool, seed: int):
 
 @pytest.mark.parametrize(
     ("t", "a", "e", "block_m"),
-    [(1, 9, 257, 16), (2, 8, 257, 16), (37, 8, 16, 16), (70, 4, 8, 32), (0, 8, 8, 16)],  # (2, 8): 17 blocks
+    [(1, 9, 257, 16), (2, 8, 257, 16), (32, 9, 257, 16), (37, 8, 16, 16), (70, 4, 8, 32), (0, 8, 8, 16)],
+    # (2, 8): 17 blocks; (32, 9): conc32, 9 chunks of 32 entries in one program
 )
-def test_align_groups_entries_by_expert(t, a, e, block_m):
+@pytest.mark.parametrize("one_program", [True, False])  # the decode batches' one launch; the three launches
+def test_align_groups_entries_by_expert(t, a, e, block_m, one_program):
     g = torch.Generator().manual_seed(t + e)
     ids = torch.tensor([torch.randperm(e, generator=g)[:a].tolist() for _ in range(t)], dtype=torch.int32)
     ids = ids.reshape(t, a)
-    sorted_ids, block_expert, num_padded = moe_align(ids.to(DEVICE), e, block_m)
+    sorted_ids, block_expert, num_padded = moe_align(ids.to(DEVICE), e, block_m, one_program)
     sorted_ids, block_expert = sorted_ids.cpu(), block_expert.cpu()
     groups, total = moe_align_ref(ids, e, block_m)
     assert int(num_padded) == total
