@@ -39,6 +39,19 @@ def _store_row(x, cache_ptr, scale_ptr, s_off, FP8: tl.constexpr):
 
 
 @triton.jit
+def store_rows(x, cache_ptrs, scale_ptrs, ok, FP8: tl.constexpr):
+    """`_store_row` for the rows of a tile `x [R, Dh]` where `ok [R]` (the KV store in `qk_norm_rope`)."""
+    rows_ok = tl.broadcast_to(ok[:, None], x.shape)
+    if FP8:
+        xf = x.to(tl.float32)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12), 448.0)
+        tl.store(cache_ptrs, tl.div_rn(xf, scale[:, None]).to(tl.float8e4nv), mask=rows_ok)
+        tl.store(scale_ptrs, scale, mask=ok)
+    else:
+        tl.store(cache_ptrs, x.to(cache_ptrs.dtype.element_ty), mask=rows_ok)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, pos_ptr,  #
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch, stride_ct, stride_ss, stride_sh,  #
@@ -97,6 +110,32 @@ def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tens
     return cache.float() * scale.unsqueeze(-1)
 
 
+def check_store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """`store_kv`'s arguments checked; returns `cache_scales`' (FP8?, k scales, v scales)."""
+    t, hkv, dh = k.shape
+    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if x.shape != k.shape or cache.dim() != 4 or cache.shape[1] != hkv or cache.shape[3] != dh:
+            raise ValueError(f"store_kv: {name}_cache {tuple(cache.shape)} does not take rows of {name} "
+                             f"{tuple(x.shape)}")
+    if (v_cache.dtype, v_cache.shape, v_cache.stride()) != (k_cache.dtype, k_cache.shape, k_cache.stride()):
+        raise ValueError("store_kv: k_cache and v_cache need one dtype, shape and layout")
+    fp8, ks, vs = cache_scales(k_cache, v_cache, k_scale, v_scale)
+    for name, idx in (("slots", slots), ("positions", positions)):
+        if idx.shape != (t,) or idx.device != k_cache.device or idx.is_floating_point():
+            raise ValueError(f"store_kv: {name} {idx.dtype} {tuple(idx.shape)} on {idx.device}, expected "
+                             f"integer [{t}] on {k_cache.device}")
+    return fp8, ks, vs
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -111,18 +150,8 @@ def store_kv(
     :, `positions[t]`); FP8 caches (`float8_e4m3fn`) need `k_scale, v_scale [S, Hkv, L]` (fp32), written
     alongside. `slots` and `positions` are integer `[T]` on the caches' device; a row with a negative
     slot or position (a padded decode row) writes nothing. One launch, no host sync (CUDA-graph safe)."""
+    fp8, ks, vs = check_store(k, v, k_cache, v_cache, k_scale, v_scale, slots, positions)
     t, hkv, dh = k.shape
-    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if x.shape != k.shape or cache.dim() != 4 or cache.shape[1] != hkv or cache.shape[3] != dh:
-            raise ValueError(f"store_kv: {name}_cache {tuple(cache.shape)} does not take rows of {name} "
-                             f"{tuple(x.shape)}")
-    if (v_cache.dtype, v_cache.shape, v_cache.stride()) != (k_cache.dtype, k_cache.shape, k_cache.stride()):
-        raise ValueError("store_kv: k_cache and v_cache need one dtype, shape and layout")
-    fp8, ks, vs = cache_scales(k_cache, v_cache, k_scale, v_scale)
-    for name, idx in (("slots", slots), ("positions", positions)):
-        if idx.shape != (t,) or idx.device != k_cache.device or idx.is_floating_point():
-            raise ValueError(f"store_kv: {name} {idx.dtype} {tuple(idx.shape)} on {idx.device}, expected "
-                             f"integer [{t}] on {k_cache.device}")
     if t == 0:
         return
     if not k.is_cuda:  # the interpreter's E4M3 cast is not PyTorch's: quantize and scatter with torch

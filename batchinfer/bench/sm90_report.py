@@ -224,6 +224,13 @@ def _attention_launches(H: int, Hkv: int, Dh: int, rot: int, gated: bool) -> Ite
     )
     kc, vc = _t(B, Hkv, L, Dh), _t(B, Hkv, L, Dh)
     lens, slots = torch.full((B,), L, dtype=torch.int32), torch.arange(B)
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    for name, caches in (("bf16", (kc, vc, None, None)), ("fp8", (k8, v8, *torch.ones(2, B, Hkv, L)))):
+        store = (v[:B], *caches, slots.int())
+        norm_store = lambda store=store: qk_norm_rope.qk_norm_rope(
+            q[:B], k[:B], w, w, lens, inv, 1e-6, gated, store
+        )
+        yield f"Dh={Dh} B={B} KV store {name}", qk_norm_rope._qk_norm_rope_kernel, norm_store
     past, one = torch.full((1,), 100, dtype=torch.int32), slots[:1].int()
     yield (
         f"Dh={Dh} chunked prefill",
@@ -235,7 +242,6 @@ def _attention_launches(H: int, Hkv: int, Dh: int, rot: int, gated: bool) -> Ite
     yield f"Dh={Dh} B={B} split-KV", attention._decode_attn_kernel, lambda: decode(L)
     yield f"Dh={Dh} B={B} one split", attention._decode_attn_kernel, lambda: decode(64)
     yield f"Dh={Dh}", attention._decode_combine_kernel, lambda: decode(L)
-    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     ks, vs = torch.ones(B, Hkv, L), torch.ones(B, Hkv, L)
     yield (
         f"Dh={Dh} B={B} split-KV, FP8 cache",

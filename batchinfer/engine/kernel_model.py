@@ -389,16 +389,15 @@ class KernelModel:
         Appends to the slots' state; returns bf16 logits `[B, V]`. No host sync (CUDA-graph safe). A row
         with slot and position -1 pads a batch: it reads and writes no state and attends to nothing."""
         c = self.config
-        seq_lens, slot_idx, pos_idx = positions + 1, slots.long(), positions.long()
+        seq_lens = positions + 1
         x, residual = embedding(ids, self.embed), None
         for i, layer in enumerate(self.layers):
             h, residual = add_rmsnorm(
                 x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm, RESIDUAL
             )
             if isinstance(layer.mixer, AttentionWeights):
-                q, k, v, gate = self._qkv(h, layer.mixer, positions)
                 kc, vc, ks, vs = state.kv(i)
-                store_kv(k, v, kc, vc, ks, vs, slot_idx, pos_idx)
+                q, _, _, gate = self._qkv(h, layer.mixer, positions, (kc, vc, ks, vs, slots))
                 o = decode_attention(q, kc, vc, slots, seq_lens, gate=gate, k_scale=ks, v_scale=vs)
                 h = _linear(o.reshape(len(ids), -1), layer.mixer.o_proj, layer.mixer.o_proj_rows)
             else:
@@ -408,8 +407,9 @@ class KernelModel:
         h, _ = add_rmsnorm(x, residual, self.norm, c.rms_norm_eps, c.one_plus_norm)
         return _linear(h, self.lm_head, self.lm_head_rows)
 
-    def _qkv(self, h: torch.Tensor, w: AttentionWeights, positions: torch.Tensor):
-        """q, k (normed, rotated), v `[T, heads, Dh]` and the output gate (or None) of one attention layer."""
+    def _qkv(self, h: torch.Tensor, w: AttentionWeights, positions: torch.Tensor, cache: tuple | None = None):
+        """q, k (normed, rotated), v `[T, heads, Dh]` and the output gate (or None) of one attention layer;
+        with `cache = (k_cache, v_cache, k_scale, v_scale, slots)` k and v also go into the cache (decode)."""
         c = self.config
         T, H, Hkv, Dh = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qkv = _linear(h, w.qkv, w.qkv_rows)
@@ -418,9 +418,9 @@ class KernelModel:
         gate = q[..., Dh:] if c.attn_output_gate else None
         k = qkv[:, q_width : q_width + Hkv * Dh].view(T, Hkv, Dh)
         v = qkv[:, q_width + Hkv * Dh :].view(T, Hkv, Dh)
-        q, k = qk_norm_rope(
-            q[..., :Dh], k, w.q_norm, w.k_norm, positions, self.inv_freq, c.rms_norm_eps, c.one_plus_norm
-        )
+        store = None if cache is None else (v, *cache)
+        eps, one_plus, inv_freq = c.rms_norm_eps, c.one_plus_norm, self.inv_freq
+        q, k = qk_norm_rope(q[..., :Dh], k, w.q_norm, w.k_norm, positions, inv_freq, eps, one_plus, store)
         return q, k, v, gate
 
     def _deltanet(
