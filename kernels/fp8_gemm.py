@@ -125,9 +125,11 @@ def _fp8_gemm_kernel(
 def _gemv_x(x_ptr, z_ptr, nw, eps, k, k_end,
             BLOCK_K: tl.constexpr, DV: tl.constexpr, GATED_NORM: tl.constexpr, INTERPRET: tl.constexpr):
     """x[k : k + BLOCK_K] (columns from k_end on: 0) as fp32. With GATED_NORM, x and z are DeltaNet's raw o
-    and z, and the result is `gdn._gated_rmsnorm_kernel`'s output for those BLOCK_K / DV whole heads: the
-    same fp32 math on the same [heads, DV] tile shape, `nw` the norm weight [DV] in fp32, rounded once to
-    bf16 as that kernel stores it."""
+    and z, and the result is `gdn._gated_rmsnorm_kernel`'s output for those BLOCK_K / DV whole heads: its
+    fp32 expressions, `nw` the norm weight [DV] in fp32, rounded once to bf16 as that kernel stores it. The
+    per-head sum of squares is a `tl.sum` whose order follows the register layout, which Triton picks here
+    for the reshape into the GEMV's x (sm_90: 2 a thread, 32 lanes, 2 warps a head of 128) and there for
+    its [16, 128] tile (a tree of 8 a thread, 16 lanes): rstd may differ in its last fp32 bit."""
     if GATED_NORM:
         heads = k + tl.arange(0, BLOCK_K // DV) * DV  # K, k and k_end are multiples of DV: whole heads
         offs = tl.arange(0, DV)
@@ -298,8 +300,11 @@ def fp8_gemv(
 
     `gated_norm = (z, weight, eps)`, z `[1, K]` bf16: x is DeltaNet's o before its gated RMSNorm (heads of
     Dv = len(weight) along K), normalised in registers as each K step loads it (one launch instead of two,
-    single-stream decode's out_proj). Bit-identical to `fp8_gemv(gdn.gated_rmsnorm(x.view(-1, Dv),
-    z.view(-1, Dv), weight, eps).view(1, K), w)`: the same fp32 math and bf16 rounding of the normalised x.
+    single-stream decode's out_proj). The same as `fp8_gemv(gdn.gated_rmsnorm(x.view(-1, Dv),
+    z.view(-1, Dv), weight, eps).view(1, K), w)`: the same fp32 expressions and bf16 rounding of the
+    normalised x, bit-identical under the interpreter; compiled, the two kernels sum each head's squares
+    in different orders (`_gemv_x`), so an x element can land one bf16 ulp apart where rstd's last bit
+    decides its rounding.
     A Dv that does not divide the launch's 16 * block_g columns (the demo model's 48) runs those two
     launches instead."""
     k = w.data.shape[1]
