@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from batchinfer.kernels import pdl
+from batchinfer.kernels import pdl, small_ops
+from batchinfer.kernels.gdn import gated_rmsnorm
 from batchinfer.kernels.nvfp4 import FP8Weight
 from batchinfer.kernels.nvfp4_gemm import (
     FUSED_MAX_M,
@@ -121,16 +122,43 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
+def _gemv_x(x_ptr, z_ptr, nw, eps, k, k_end,
+            BLOCK_K: tl.constexpr, DV: tl.constexpr, GATED_NORM: tl.constexpr, INTERPRET: tl.constexpr):
+    """x[k : k + BLOCK_K] (columns from k_end on: 0) as fp32. With GATED_NORM, x and z are DeltaNet's raw o
+    and z, and the result is `gdn._gated_rmsnorm_kernel`'s output for those BLOCK_K / DV whole heads: its
+    fp32 expressions, `nw` the norm weight [DV] in fp32, rounded once to bf16 as that kernel stores it. The
+    per-head sum of squares is a `tl.sum` whose order follows the register layout, which Triton picks here
+    for the reshape into the GEMV's x (sm_90: 2 a thread, 32 lanes, 2 warps a head of 128) and there for
+    its [16, 128] tile (a tree of 8 a thread, 16 lanes): rstd may differ in its last fp32 bit."""
+    if GATED_NORM:
+        heads = k + tl.arange(0, BLOCK_K // DV) * DV  # K, k and k_end are multiples of DV: whole heads
+        offs = tl.arange(0, DV)
+        m = (heads < k_end)[:, None]
+        o = tl.load(x_ptr + heads[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + heads[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / DV + eps)
+        y = o * rstd[:, None] * nw[None, :] * (z * tl.sigmoid(z))
+        x = tl.reshape(small_ops._to(y, tl.bfloat16, INTERPRET), (BLOCK_K,)).to(tl.float32)
+    else:
+        cols = k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + cols, mask=cols < k_end, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, tail_ptr, out_ptr, ws_ptr, lock_ptr,  #
-    N, N_TAIL, K, stride_wn, stride_s,  #
+    x_ptr, w_ptr, scale_ptr, tail_ptr, z_ptr, nw_ptr, out_ptr, ws_ptr, lock_ptr,  #
+    N, N_TAIL, K, stride_wn, stride_s, eps,  #
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_TAIL: tl.constexpr,  #
     STAGES: tl.constexpr,  #
+    GATED_NORM: tl.constexpr = False, DV: tl.constexpr = 1, INTERPRET: tl.constexpr = False,  #
     PDL: tl.constexpr = False,  #
 ):
     """out[n] = scale[n] * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K (scale[n]
     at n * stride_s: 0 for one tensor scale, 1 for stacked weights' rows); with HAS_TAIL, rows N to
     N + N_TAIL are bf16 rows of `tail` [N_TAIL, K] (scale 1), a tile across the boundary runs both loops.
+    With GATED_NORM, x is DeltaNet's o before its gated RMSNorm (heads of DV, z at z_ptr, weight at nw_ptr),
+    applied to each K step's heads as they are loaded (`_gemv_x`).
     Partial sums [BLOCK_N, BLOCK_K] per thread, one reduction at the end, split partials summed in split
     order by the last program to finish (as `_fp8_gemm_kernel`)."""
     pdl.enter(PDL)
@@ -141,12 +169,13 @@ def _fp8_gemv_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    nw = tl.load(nw_ptr + tl.arange(0, DV)).to(tl.float32) if GATED_NORM else 0.0
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if pid_n * BLOCK_N < N:
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             cols = k + tl.arange(0, BLOCK_K)
             mask_k = cols < k_end
-            x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+            x = _gemv_x(x_ptr, z_ptr, nw, eps, k, k_end, BLOCK_K, DV, GATED_NORM, INTERPRET)
             b = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :],
                         mask=mask_w[:, None] & mask_k[None, :], other=0)
             acc += b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x[None, :]
@@ -158,7 +187,7 @@ def _fp8_gemv_kernel(
             for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
                 cols = k + tl.arange(0, BLOCK_K)
                 mask_k = cols < k_end
-                x = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+                x = _gemv_x(x_ptr, z_ptr, nw, eps, k, k_end, BLOCK_K, DV, GATED_NORM, INTERPRET)
                 t = tl.load(tail_ptr + (rows - N)[:, None] * K + cols[None, :],
                             mask=mask_t[:, None] & mask_k[None, :], other=0.0)
                 acc += t.to(tl.float32) * x[None, :]
@@ -213,10 +242,18 @@ def fp8_gemv_config() -> GemvConfig:
     return GemvConfig(16, 2, 4) if interpreting() else GemvConfig(16, 16, 4)
 
 
+GatedNorm = tuple[torch.Tensor, torch.Tensor, float]  # DeltaNet's (z [1, K], weight [Dv], eps)
+
+
 def _fp8_gemv(
-    x: torch.Tensor, w: FP8Weight | FP8Rows, out: torch.Tensor, config: GemvConfig | None = None
+    x: torch.Tensor,
+    w: FP8Weight | FP8Rows,
+    out: torch.Tensor,
+    config: GemvConfig | None = None,
+    gated_norm: GatedNorm | None = None,
 ) -> None:
-    """`_fp8_gemv_kernel` for one row: x `[1, K]`, out `[1, N (+ N_TAIL)]` (unit strides)."""
+    """`_fp8_gemv_kernel` for one row: x `[1, K]`, out `[1, N (+ N_TAIL)]` (unit strides); `gated_norm`
+    checked by `fp8_gemv`, its Dv dividing the launch's BLOCK_K."""
     n, k = w.data.shape
     tail = w.tail if isinstance(w, FP8Rows) else None
     n_tail = 0 if tail is None else tail.shape[0]
@@ -226,26 +263,61 @@ def _fp8_gemv(
     split = cfg.split_k or choose_split_k(tiles, k, block_k, num_sms(x.device))
     ws = torch.empty((split, n + n_tail), dtype=torch.float32, device=x.device) if split > 1 else out
     locks = split_k_locks(x.device, tiles) if split > 1 else out
+    z, nw, eps = gated_norm or (x, x, 0.0)
     _fp8_gemv_kernel[(tiles, split)](
-        x, w.data.view(torch.uint8), w.scale, x if tail is None else tail, out, ws, locks,  #
-        n, n_tail, k, w.data.stride(0), int(w.scale.ndim == 1),  #
+        x, w.data.view(torch.uint8), w.scale, x if tail is None else tail, z, nw, out, ws, locks,  #
+        n, n_tail, k, w.data.stride(0), int(w.scale.ndim == 1), eps,  #
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_TAIL=tail is not None,  #
-        STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl.launch(out.device),  #
+        STAGES=cfg.num_stages,  #
+        GATED_NORM=gated_norm is not None, DV=nw.shape[0] if gated_norm else 1, INTERPRET=interpreting(),  #
+        num_warps=cfg.num_warps, **pdl.launch(out.device),  #
     )
 
 
+def _check_gated_norm(gated_norm: GatedNorm, x: torch.Tensor) -> int:
+    """Dv of `fp8_gemv`'s `gated_norm` for x `[1, K]` (K = heads * Dv)."""
+    z, weight, _ = gated_norm
+    dv, k = weight.shape[0], x.shape[1]
+    if z.shape != x.shape or z.dtype != torch.bfloat16 or z.stride(-1) != 1 or z.device != x.device:
+        raise ValueError(f"gated_norm z: expected bfloat16 [1, {k}] with unit stride on {x.device}, got "
+                         f"{z.dtype} {list(z.shape)} strides {z.stride()} on {z.device}")
+    if weight.dim() != 1 or weight.stride(0) != 1 or dv == 0 or k % dv or weight.device != x.device:
+        raise ValueError(f"gated_norm weight: expected a contiguous [Dv], Dv dividing K={k}, on {x.device}; "
+                         f"got {list(weight.shape)} strides {weight.stride()} on {weight.device}")
+    return dv
+
+
 def fp8_gemv(
-    x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None, config: GemvConfig | None = None
+    x: torch.Tensor,
+    w: FP8Rows,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    gated_norm: GatedNorm | None = None,
 ) -> torch.Tensor:
     """One bf16 row `x [1, K]` times stacked FP8 (and bf16 tail) rows `W [N, K]` transposed -> `[1, N]`
     bf16, reading the FP8 bytes (single-stream decode, where the weights are all the bytes a step moves).
-    `out` may be a view with unit column stride; `config` overrides the launch (tuner)."""
+    `out` may be a view with unit column stride; `config` overrides the launch (tuner).
+
+    `gated_norm = (z, weight, eps)`, z `[1, K]` bf16: x is DeltaNet's o before its gated RMSNorm (heads of
+    Dv = len(weight) along K), normalised in registers as each K step loads it (one launch instead of two,
+    single-stream decode's out_proj). The same as `fp8_gemv(gdn.gated_rmsnorm(x.view(-1, Dv),
+    z.view(-1, Dv), weight, eps).view(1, K), w)`: the same fp32 expressions and bf16 rounding of the
+    normalised x, bit-identical under the interpreter; compiled, the two kernels sum each head's squares
+    in different orders (`_gemv_x`), so an x element can land one bf16 ulp apart where rstd's last bit
+    decides its rounding.
+    A Dv that does not divide the launch's 16 * block_g columns (the demo model's 48) runs those two
+    launches instead."""
     k = w.data.shape[1]
     if x.shape != (1, k) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
     check_fp8_rows(w, x.device)
     out = check_gemm_out(out, 1, w.rows, x.device)
-    _fp8_gemv(x, w, out, config)
+    if gated_norm is not None:
+        dv = _check_gated_norm(gated_norm, x)
+        if 16 * (config or fp8_gemv_config()).block_g % dv:  # a head across two K steps: two launches
+            z, weight, eps = gated_norm
+            x, gated_norm = gated_rmsnorm(x.view(-1, dv), z.view(-1, dv), weight, eps).view(1, k), None
+    _fp8_gemv(x, w, out, config, gated_norm)
     return out
 
 

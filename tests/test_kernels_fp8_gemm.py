@@ -3,8 +3,9 @@
 import pytest
 import torch
 from batchinfer.kernels.fp8_gemm import fp8_dequantize, fp8_gemm, fp8_gemm_ref, fp8_gemv, stack_fp8
+from batchinfer.kernels.gdn import gated_rmsnorm, gated_rmsnorm_ref
 from batchinfer.kernels.nvfp4 import quantize_fp8
-from batchinfer.kernels.nvfp4_gemm import FUSED_MAX_M, GemmConfig, choose_split_k
+from batchinfer.kernels.nvfp4_gemm import FUSED_MAX_M, GemmConfig, GemvConfig, choose_split_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -130,6 +131,89 @@ def test_split_k_choice_covers_sms_and_keeps_k_blocks():
     assert choose_split_k(tiles=1, k=512, block_k=256, num_sms=132) == 1
 
 
+def _deltanet_out(heads: int, dv: int, n: int, tail_rows: int, seed: int):
+    """out_proj's inputs at one decode row: o and z `[1, heads * dv]` (each head of o at its own scale, so a
+    norm over the wrong columns changes every output), the norm weight `[dv]` and FP8 rows (+ a bf16 tail)."""
+    g = torch.Generator().manual_seed(seed)
+    k = heads * dv
+    scale = torch.logspace(-2, 1, heads)[torch.randperm(heads, generator=g)].repeat_interleave(dv)
+    o = (torch.randn(1, k, generator=g) * scale).to(torch.bfloat16).to(DEVICE)
+    z = (torch.randn(1, k, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+    weight = (1 + 0.5 * torch.randn(dv, generator=g)).to(torch.bfloat16).to(DEVICE)
+    tail = [(torch.randn(tail_rows, k, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE)] if tail_rows else []
+    rows = stack_fp8([quantize_fp8(torch.randn(n, k, generator=g) * 0.05).to(DEVICE)], tail)
+    return o, z, weight, rows
+
+
+def _two_launches(o, z, weight, eps, rows, config=None):
+    """What the fused GEMV replaces: `gated_rmsnorm` over heads of Dv, then the GEMV on its bf16 output."""
+    dv = weight.shape[0]
+    return fp8_gemv(
+        gated_rmsnorm(o.view(-1, dv), z.view(-1, dv), weight, eps).view(1, -1), rows, config=config
+    )
+
+
+@pytest.mark.parametrize("tail_rows", [0, 7])  # none; bf16 rows inside the last FP8 tile and one more
+@pytest.mark.parametrize(
+    ("dv", "heads", "block_g", "split"),
+    [
+        (16, 6, 2, 1),  # two heads a K step, one split
+        (16, 5, 2, 2),  # the last K step half masked (K = 80 is no multiple of BLOCK_K = 32)
+        (16, 8, 4, 3),  # four heads a step, ragged splits (k_per_split 64 of K = 128: the third is empty)
+        (32, 4, 2, 2),  # one head a step
+        (32, 6, 4, 2),  # two heads a step, two steps a split
+    ],
+)
+def test_gated_norm_fused_is_bit_exact(dv, heads, block_g, split, tail_rows):
+    """The fused gated RMSNorm + GEMV equals the two launches bit for bit (same fp32 norm, same single bf16
+    rounding of x), written into a poisoned column slice; twice, so a stale split-K counter shows."""
+    n = 40
+    cfg = GemvConfig(16, block_g, 4, split)
+    for seed in (dv * heads + split, dv * heads + split + 1):
+        o, z, weight, rows = _deltanet_out(heads, dv, n, tail_rows, seed)
+        wide = torch.full((1, n + tail_rows + 6), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        out = fp8_gemv(o, rows, out=wide[:, 3 : 3 + n + tail_rows], config=cfg, gated_norm=(z, weight, 1e-6))
+        want = _two_launches(o, z, weight, 1e-6, rows, cfg)
+        assert torch.equal(out, want), (out.float() - want.float()).abs().max()
+        assert wide[:, :3].isnan().all() and wide[:, 3 + n + tail_rows :].isnan().all()
+        normed = gated_rmsnorm_ref(o.view(-1, dv), z.view(-1, dv), weight, 1e-6).view(1, -1)
+        data = rows.data.float() * rows.scale[:, None]
+        ref = normed @ torch.cat([data] + ([rows.tail.float()] if tail_rows else [])).t()
+        _check(out, ref, exact_weights=False)  # and it is the product with the normalised x
+
+
+def test_gated_norm_falls_back_to_two_launches(monkeypatch):
+    """A head wider than the K step (Dv = 64 > BLOCK_K = 32) or not dividing it (the demo model's 48) runs
+    `gated_rmsnorm` and the plain GEMV; a wider step (block_g = 4: 64 columns) fuses Dv = 64 again."""
+    from batchinfer.kernels import fp8_gemm as mod
+
+    calls = []
+    monkeypatch.setattr(mod, "gated_rmsnorm", lambda *a: calls.append(1) or gated_rmsnorm(*a))
+    for dv, block_g, fused in ((64, 2, False), (48, 2, False), (48, 4, False), (64, 4, True)):
+        o, z, weight, rows = _deltanet_out(4, dv, 24, 0, seed=dv + block_g)
+        cfg = GemvConfig(16, block_g, 4, 2)
+        calls.clear()
+        out = fp8_gemv(o, rows, config=cfg, gated_norm=(z, weight, 1e-5))
+        assert calls == ([] if fused else [1]), (dv, block_g)
+        assert torch.equal(out, _two_launches(o, z, weight, 1e-5, rows, cfg)), (dv, block_g)
+
+
+def test_gated_norm_rejects_bad_inputs():
+    o, z, weight, rows = _deltanet_out(4, 16, 24, 0, seed=5)
+    with pytest.raises(ValueError, match=r"gated_norm z: expected bfloat16 \[1, 64\]"):
+        fp8_gemv(o, rows, gated_norm=(z[:, :48], weight, 1e-6))
+    with pytest.raises(ValueError, match="gated_norm z: expected bfloat16"):
+        fp8_gemv(o, rows, gated_norm=(z.float(), weight, 1e-6))
+    with pytest.raises(ValueError, match="gated_norm z: .* strides"):
+        fp8_gemv(o, rows, gated_norm=(torch.cat([z, z], dim=1)[:, ::2], weight, 1e-6))
+    with pytest.raises(ValueError, match="Dv dividing K=64"):
+        fp8_gemv(o, rows, gated_norm=(z, weight[:12].contiguous(), 1e-6))
+    with pytest.raises(ValueError, match="gated_norm weight: expected a contiguous"):
+        fp8_gemv(o, rows, gated_norm=(z, torch.cat([weight, weight])[::2], 1e-6))
+    with pytest.raises(ValueError, match="gated_norm weight"):
+        fp8_gemv(o, rows, gated_norm=(z, weight.view(4, 4), 1e-6))
+
+
 # Real shapes of both models (N, K): q_proj / in_proj_qkv, o_proj / out_proj, experts, lm_head slice.
 GPU_SHAPES = [(8192, 2048), (2048, 4096), (512, 2048), (2048, 768), (16384, 2048)]
 
@@ -142,3 +226,29 @@ def test_matches_reference_real_shapes(m, n, k):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     fp8_gemm(x, w, out=out)
     _check(out, fp8_gemm_ref(x, w), tol=5e-3, exact_weights=m <= FUSED_MAX_M)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail_rows", [0, 64])
+def test_gated_norm_fused_real_shape(tail_rows):
+    """Qwen3.6's DeltaNet out_proj (Hv = 32 heads of Dv = 128, K = 4096, N = 2048) at the production launch.
+    Exact where the math is identical: o of +-{1/2, 1, 2} times a power of two a head sums its squares
+    exactly in any order, so the fused kernel must equal gated_rmsnorm + fp8_gemv bit for bit (indexing,
+    sigmoid, weight, rounding, split-K). On random o the two kernels' sums of squares run in different
+    orders (`fp8_gemm._gemv_x`): within 1e-3 of the two launches and 5e-3 of fp32, over 50 draws."""
+    o, z, weight, rows = _deltanet_out(32, 128, 2048, tail_rows, seed=36)
+    g = torch.Generator().manual_seed(37)
+    levels = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0])[torch.randint(0, 6, (1, 4096), generator=g)]
+    exact = (levels * 2.0 ** torch.randint(-6, 4, (32,), generator=g).repeat_interleave(128)).to(DEVICE)
+    for _ in range(2):  # the split-K counters reset
+        out = fp8_gemv(exact.bfloat16(), rows, gated_norm=(z, weight, 1e-6))
+        assert torch.equal(out, _two_launches(exact.bfloat16(), z, weight, 1e-6, rows))
+    data = torch.cat([rows.data.float() * rows.scale[:, None]] + ([rows.tail.float()] if tail_rows else []))
+    for seed in range(50):
+        o = torch.randn(1, 4096, generator=torch.Generator().manual_seed(seed)) * 3
+        o = o.to(torch.bfloat16).to(DEVICE)
+        out = fp8_gemv(o, rows, gated_norm=(z, weight, 1e-6))
+        want = _two_launches(o, z, weight, 1e-6, rows)
+        _check(out, want.float(), tol=1e-3, exact_weights=False)
+        normed = gated_rmsnorm_ref(o.view(-1, 128), z.view(-1, 128), weight, 1e-6).view(1, -1)
+        _check(out, normed @ data.t(), tol=5e-3, exact_weights=False)

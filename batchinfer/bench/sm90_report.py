@@ -367,14 +367,24 @@ def _fp8_gemv_launches() -> Iterator[tuple]:
     yield "N=8192 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemm(x, w)
     o_proj = quantize_fp8(torch.randn(2048, 4096) * 0.02)  # 128 row tiles: K in 4 splits on the H200's SMs
 
-    def split_k() -> None:
-        sms, fp8_gemm.num_sms = fp8_gemm.num_sms, lambda device: 132
-        try:
-            fp8_gemm.fp8_gemm(_t(1, 4096), o_proj)
-        finally:
-            fp8_gemm.num_sms = sms
+    def on_h200(launch: Callable[[], Any]) -> Callable[[], None]:
+        def split_k() -> None:
+            sms, fp8_gemm.num_sms = fp8_gemm.num_sms, lambda device: 132
+            try:
+                launch()
+            finally:
+                fp8_gemm.num_sms = sms
 
-    yield "N=2048 K=4096 M=1", fp8_gemm._fp8_gemv_kernel, split_k
+        return split_k
+
+    yield (
+        "N=2048 K=4096 M=1",
+        fp8_gemm._fp8_gemv_kernel,
+        on_h200(lambda: fp8_gemm.fp8_gemm(_t(1, 4096), o_proj)),
+    )
+    o, z, out_proj = _t(1, 4096), _t(1, 4096), fp8_gemm.stack_fp8([o_proj])  # DeltaNet: 32 heads of 128
+    gated = lambda: fp8_gemm.fp8_gemv(o, out_proj, gated_norm=(z, _t(128), 1e-6))  # noqa: E731
+    yield "N=2048 K=4096 M=1 gated norm Dv=128", fp8_gemm._fp8_gemv_kernel, on_h200(gated)
     rows = fp8_gemm.stack_fp8([quantize_fp8(torch.randn(12288, 2048) * 0.02)], [_t(64, 2048)])  # qkv|z, b|a
     yield "N=12288+64 bf16 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemv(x, rows)
     x32 = _t(32, 2048)  # a decode batch of 32 on the same stack
