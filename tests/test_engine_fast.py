@@ -191,6 +191,33 @@ def test_one_row_decode_reads_the_checkpoint_bytes(monkeypatch, quant):
     assert all(getattr(x.mixer, f) is None for x in bf16.layers for f in fields[type(x.mixer)])
 
 
+def test_one_row_decode_fuses_its_small_steps(monkeypatch):
+    """A one-row step of the mixed layout runs DeltaNet's gated RMSNorm inside out_proj's GEMV and writes
+    the KV cache from the q/k norm + RoPE kernel: no `gated_rmsnorm` or `store_kv` launch of its own.
+    (What they compute is checked against the unfused kernels in their own tests and by the logits of the
+    test above.)"""
+    from batchinfer.engine import kernel_model
+
+    cfg, _, km = _models("tiny-qwen3.5-moe", "mixed")
+    calls: dict[str, list] = {"gated_rmsnorm": [], "store_kv": [], "fp8_gemv": [], "qk_norm_rope": []}
+    for name, got in calls.items():
+        real = getattr(kernel_model, name)
+        spy = lambda *a, real=real, got=got, **k: got.append((a, k)) or real(*a, **k)  # noqa: E731
+        monkeypatch.setattr(kernel_model, name, spy)
+    (prompt,) = _random_prompts(cfg.vocab_size, [9])
+    state = km.new_state(2, 20)
+    nxt = km.prefill_prompts(state, [prompt], [1]).argmax(-1)
+    for got in calls.values():
+        got.clear()
+    pos = torch.tensor([len(prompt)], dtype=torch.int32, device=DEVICE)
+    km.decode(state, nxt, pos, torch.tensor([1], dtype=torch.int32, device=DEVICE))
+    deltanet = sum(isinstance(x.mixer, DeltaNetWeights) for x in km.layers)
+    attention = len(km.layers) - deltanet
+    assert not calls["gated_rmsnorm"] and not calls["store_kv"]
+    assert sum("gated_norm" in k for _, k in calls["fp8_gemv"]) == deltanet
+    assert sum(len(a) > 8 and a[8] is not None for a, _ in calls["qk_norm_rope"]) == attention
+
+
 def test_slots_refill_and_stop_rules():
     """More requests than slots (refill), exact max_tokens, a stop token, and a stop from on_step."""
     cfg, ref, km = _models("tiny-qwen3.5-moe", "bf16")

@@ -468,5 +468,8 @@ class KernelModel:
                 max_seqlen,
                 past=past,
             )
+        if T == 1 and isinstance(w.out_proj_rows, FP8Rows):  # the norm inside out_proj's GEMV: one launch
+            gated_norm = (z.view(1, Hv * Dv), w.norm, c.rms_norm_eps)
+            return fp8_gemv(o.view(1, Hv * Dv), w.out_proj_rows, gated_norm=gated_norm)
         o = gated_rmsnorm(o, z, w.norm, c.rms_norm_eps)
         return _linear(o.reshape(T, Hv * Dv), w.out_proj, w.out_proj_rows)
