@@ -501,7 +501,7 @@ def _moe_decode_down_kernel(
     stride_res, stride_h, stride_res_out,  #
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
-    NORM: tl.constexpr = False, ONE_PLUS: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,  #
+    NORM: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr,  #
     PDL: tl.constexpr = False,  #
 ):
     """out[t, n] = sum over the token's A slots of route_w * (x[entry] . down_e[n]) (this program: one of
@@ -600,7 +600,8 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
     ws = torch.empty((split, t, d), dtype=torch.float32, device=dev) if split > 1 else out
     # split counters [t * tiles], then (norm) the tokens' counters [t]
     locks = split_k_locks(dev, t * tiles + t) if split > 1 or norm else out
-    res, norm_w, normed, res_out, eps, norm_args = out, out, out, out, 0.0, {}
+    res, norm_w, normed, res_out, eps = out, out, out, out, 0.0
+    norm_args = {"NORM": False, "ONE_PLUS": False, "BLOCK_D": 16}
     if norm:  # the row's sum over as many warps as `add_rmsnorm`'s: the same layout, the same order
         row = _row_configs(d)
         res, norm_w, normed, res_out, eps = norm.residual, norm.weight, norm.h, norm.residual_out, norm.eps
