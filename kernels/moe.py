@@ -8,7 +8,8 @@ weight sigmoid(shared_gate logit)) -> one of four paths (by entry count and layo
   gate_up one program per (entry, column tile, K split), down one per (token, column tile, slot split)
   with the routing weights and the top-k sum fused; GEMVs on CUDA cores that decode and multiply each
   word of 8 E2M1 codes in one inline PTX block (`nvfp4_gemm.e2m1_dot8`) and apply each 16-code block
-  scale once per group sum;
+  scale once per group sum; `moe_experts_add_rmsnorm` also fuses the residual add + RMSNorm that follows
+  the block into down (the last program of a token's row tiles normalises the row);
 - mid-size batches of NVFP4 experts in `moe_tc`'s paired layout (the engine's): `moe_tc`, the weight as
   the tensor cores' register operand (1.3-2x the grouped GEMMs below, timed on the H200);
 - the fused grouped GEMMs (bf16 experts, or NVFP4 in the standard layout): `moe_align` (entries grouped
@@ -691,10 +692,11 @@ def moe_experts_add_rmsnorm(
     for bit: the MoE block, then the residual add + RMSNorm that follows it (the next layer's input norm,
     or the final norm) -> (normed h bf16 `[T, D]`, new residual fp32 `[T, D]`).
 
-    On the decode path (`MoEDecodeConfig`) the down kernel's last program of each token does the add +
-    RMSNorm on the token's row as it completes it: one launch and one row write and read fewer. Other
-    paths make the two calls. `residual` (fp32 `[T, D]`, the engine's stream) is only read: the new
-    residual is a new tensor, as from `add_rmsnorm`, so no launch reads a row another writes."""
+    On the decode path (`MoEDecodeConfig`) the down kernel's program that completes a token's last row
+    tile does the add + RMSNorm on the row, read back from L2: one launch fewer. That kernel then runs on
+    `add_rmsnorm`'s warps (4 at D <= 2048, whatever the config says): the row's sum is laid out, so
+    ordered, as there. Other paths make the two calls. `residual` (fp32 `[T, D]`, the engine's stream) is
+    only read: the new residual is a new tensor, as from `add_rmsnorm`."""
     t, d = h.shape
     if residual.dtype != torch.float32 or residual.shape != (t, d) or residual.stride(1) != 1:
         raise ValueError(f"residual: expected float32 [{t}, {d}] with unit column stride, got "
