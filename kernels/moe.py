@@ -8,7 +8,8 @@ weight sigmoid(shared_gate logit)) -> one of four paths (by entry count and layo
   gate_up one program per (entry, column tile, K split), down one per (token, column tile, slot split)
   with the routing weights and the top-k sum fused; GEMVs on CUDA cores that decode and multiply each
   word of 8 E2M1 codes in one inline PTX block (`nvfp4_gemm.e2m1_dot8`) and apply each 16-code block
-  scale once per group sum;
+  scale once per group sum; `moe_experts_add_rmsnorm` also fuses the residual add + RMSNorm that follows
+  the block into down (the last program of a token's row tiles normalises the row);
 - mid-size batches of NVFP4 experts in `moe_tc`'s paired layout (the engine's): `moe_tc`, the weight as
   the tensor cores' register operand (1.3-2x the grouped GEMMs below, timed on the H200);
 - the fused grouped GEMMs (bf16 experts, or NVFP4 in the standard layout): `moe_align` (entries grouped
@@ -48,7 +49,7 @@ from batchinfer.kernels.nvfp4_gemm import (
     interpreting,
     split_k_locks,
 )
-from batchinfer.kernels.small_ops import sum_slots
+from batchinfer.kernels.small_ops import _row_configs, _to, add_rmsnorm, sum_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,17 +474,44 @@ def _moe_decode_gate_up_kernel(
 
 
 @triton.jit
+def _add_rmsnorm_row(x_row, res_row, w_ptr, h_row, res_out_row, D, eps,  #
+                     ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """`small_ops._add_rmsnorm_kernel` on one row (a bf16 x, an fp32 residual kept in fp32), the same ops in
+    the same order, so the same roundings; x is read from L2 (`.cg`): other programs wrote it."""
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_row + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    r = tl.load(res_row + offs, mask=mask, other=0.0)
+    x = x.to(tl.float32) + r.to(tl.float32)
+    x = _to(x, res_out_row.dtype.element_ty, INTERPRET)
+    tl.store(res_out_row + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ONE_PLUS:
+        w = w + 1.0
+    tl.store(h_row + offs, _to(xf * rstd * w, h_row.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
 def _moe_decode_down_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr, ws_ptr, lock_ptr,  #
-    T, N, G, A,  #
+    res_ptr, norm_w_ptr, h_ptr, res_out_ptr,  #
+    T, N, G, A, eps,  #
     stride_xm, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
+    stride_res, stride_h, stride_res_out,  #
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
+    NORM: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr,  #
     PDL: tl.constexpr = False,  #
 ):
     """out[t, n] = sum over the token's A slots of route_w * (x[entry] . down_e[n]) (this program: one of
     SPLIT ranges of slots), x rows K-group-major; the top-k combine and the routing weights are fused
-    here, summed in fp32 and rounded once."""
+    here, summed in fp32 and rounded once.
+
+    NORM: then the residual add + RMSNorm of the token's row (`_add_rmsnorm_row`, into h and res_out) by
+    the program that completes its last tile: each program that completes a tile counts it on the token's
+    counter (lock_ptr[T * tiles + t], past the split counters [T * tiles]) and the last resets it."""
     pdl.enter(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -508,7 +536,29 @@ def _moe_decode_down_kernel(
         out, last = _split_total(out, ws, lock_ptr + t * tl.num_programs(1) + pid_n, pid_s, T * N, mask_n,
                                  SPLIT)
     if last:
-        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, bf16_rne(out, INTERPRET), mask=mask_n)
+        out_row = out_ptr + t.to(tl.int64) * stride_om
+        tl.store(out_row + rows, bf16_rne(out, INTERPRET), mask=mask_n)
+        if NORM:  # the tile's stores, then its count (release); the last count sees every tile (acquire)
+            tl.debug_barrier()
+            count = lock_ptr + T * tl.num_programs(1) + t
+            if tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+                t64 = t.to(tl.int64)
+                _add_rmsnorm_row(out_row, res_ptr + t64 * stride_res, norm_w_ptr, h_ptr + t64 * stride_h,  #
+                                 res_out_ptr + t64 * stride_res_out, N, eps, ONE_PLUS, BLOCK_D, INTERPRET)
+                tl.atomic_xchg(count, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeNorm:
+    """The residual add + RMSNorm fused into the decode path's down kernel: its inputs (residual fp32
+    `[T, D]`, weight `[D]`) and outputs (normed h bf16, new residual fp32, both `[T, D]`)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    one_plus: bool
+    h: torch.Tensor
+    residual_out: torch.Tensor
 
 
 def _scale_strides(scale: torch.Tensor, paired: bool) -> tuple[int, int, int]:
@@ -519,9 +569,10 @@ def _scale_strides(scale: torch.Tensor, paired: bool) -> tuple[int, int, int]:
     return 0, scale.stride(0), scale.stride(1)
 
 
-def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights,
-                cfg: MoEDecodeConfig) -> torch.Tensor:
-    """The NVFP4 decode path: no alignment; GEMVs on CUDA cores over whole 16-code groups; combine fused."""
+def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights, cfg: MoEDecodeConfig,
+                norm: _DecodeNorm | None = None) -> torch.Tensor:
+    """The NVFP4 decode path: no alignment; GEMVs on CUDA cores over whole 16-code groups; combine fused.
+    With `norm`, the down kernel also writes its residual add + RMSNorm."""
     t, a = ids.shape
     inter_n, d = w.intermediate, w.hidden
     if inter_n % 16 or d % 16:
@@ -548,16 +599,48 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
     split = min(split, a)  # no split without a slot of its own
     tiles = triton.cdiv(d, block_n)
     ws = torch.empty((split, t, d), dtype=torch.float32, device=dev) if split > 1 else out
-    locks = split_k_locks(dev, t * tiles) if split > 1 else out
+    # split counters [t * tiles], then (norm) the tokens' counters [t]
+    locks = split_k_locks(dev, t * tiles + t) if split > 1 or norm else out
+    res, norm_w, normed, res_out, eps = out, out, out, out, 0.0
+    norm_args = {"NORM": False, "ONE_PLUS": False, "BLOCK_D": 16}
+    if norm:  # the row's sum over as many warps as `add_rmsnorm`'s: the same layout, the same order
+        row = _row_configs(d)
+        res, norm_w, normed, res_out, eps = norm.residual, norm.weight, norm.h, norm.residual_out, norm.eps
+        norm_args = {"NORM": True, "ONE_PLUS": norm.one_plus, "BLOCK_D": row["BLOCK_D"]}
+        warps = row["num_warps"]
     _moe_decode_down_kernel[(t, tiles, split)](
         inter, w2, w.w2_scale, w.w2_tensor_scale, out, ids, rw, ws, locks,  #
-        t, d, inter_n // 16, a,  #
+        res, norm_w, normed, res_out,  #
+        t, d, inter_n // 16, a, eps,  #
         inter.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w.w2_scale, w.paired),  #
-        out.stride(0),  #
+        out.stride(0), res.stride(0), normed.stride(0), res_out.stride(0),  #
         BLOCK_N=block_n, BLOCK_G=block_g, SPLIT=split, PAIRED=w.paired, INTERPRET=interpreting(),  #
-        num_warps=warps, num_stages=1, **pdl.launch(out.device),  #
+        num_warps=warps, num_stages=1, **norm_args, **pdl.launch(out.device),  #
     )
     return out
+
+
+def _moe_path(h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: MoEWeights,
+              config: MoEPath | None) -> MoEPath | None:
+    """The checked inputs' path (`moe_experts`); None without entries."""
+    t, d = h.shape
+    if h.dtype != torch.bfloat16 or d != w.hidden or h.stride(1) != 1:
+        raise ValueError(f"h: expected bfloat16 [T, {w.hidden}] with unit column stride, got {h.dtype} "
+                         f"{list(h.shape)}")
+    if ids.shape != route_w.shape or ids.shape[0] != t or ids.dtype != torch.int32:
+        raise ValueError(f"ids {ids.dtype} {list(ids.shape)} and route_w {list(route_w.shape)}: expected "
+                         f"int32 ids, both [T={t}, A]")
+    numel = ids.numel()
+    if numel == 0:
+        return None
+    cfg = config or _moe_configs(numel, w.w13.shape[0], nvfp4=w.nvfp4, paired=w.paired)
+    if isinstance(cfg, MoETCConfig) and not w.paired:
+        raise ValueError("MoETCConfig: expected experts in the paired layout (moe_tc.pair_moe_weights)")
+    if isinstance(cfg, MoEConfig) and w.paired:
+        raise ValueError("MoEConfig: the fused grouped GEMMs read the standard layout, not the paired one")
+    if isinstance(cfg, MoEDecodeConfig) and not w.nvfp4:
+        raise ValueError("MoEDecodeConfig: the decode path needs NVFP4 experts, got bf16")
+    return cfg
 
 
 def moe_experts(
@@ -575,38 +658,60 @@ def moe_experts(
     overrides it (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEGroupedMMConfig` the
     grouped-GEMM path, `MoETCConfig` the tensor-core kernels of `moe_tc` (paired layout only), `MoEConfig`
     the fused grouped GEMMs (standard layout only)."""
-    t, d = h.shape
-    if h.dtype != torch.bfloat16 or d != w.hidden or h.stride(1) != 1:
-        raise ValueError(f"h: expected bfloat16 [T, {w.hidden}] with unit column stride, got {h.dtype} "
-                         f"{list(h.shape)}")
-    if ids.shape != route_w.shape or ids.shape[0] != t or ids.dtype != torch.int32:
-        raise ValueError(f"ids {ids.dtype} {list(ids.shape)} and route_w {list(route_w.shape)}: expected "
-                         f"int32 ids, both [T={t}, A]")
-    a_slots = ids.shape[1]
-    numel = t * a_slots
-    if numel == 0:
+    cfg = _moe_path(h, ids, route_w, w, config)
+    if cfg is None:
         return torch.zeros_like(h)
-    experts = w.w13.shape[0]
-    cfg = config or _moe_configs(numel, experts, nvfp4=w.nvfp4, paired=w.paired)
-    if isinstance(cfg, MoETCConfig) and not w.paired:
-        raise ValueError("MoETCConfig: expected experts in the paired layout (moe_tc.pair_moe_weights)")
-    if isinstance(cfg, MoEConfig) and w.paired:
-        raise ValueError("MoEConfig: the fused grouped GEMMs read the standard layout, not the paired one")
     rw = route_w.contiguous().view(-1).float()
     if isinstance(cfg, MoETCConfig):
         return moe_experts_tc(h, ids, rw, w, cfg)
     if isinstance(cfg, MoEDecodeConfig):
-        if not w.nvfp4:
-            raise ValueError("MoEDecodeConfig: the decode path needs NVFP4 experts, got bf16")
         return _moe_decode(h, ids, rw, w, cfg)
     if isinstance(cfg, MoEGroupedMMConfig):
         return moe_experts_grouped_mm(h, ids, rw, w)
-    sorted_ids, block_expert, num_padded = moe_align(ids, experts, cfg.block_m)
+    numel, a_slots = ids.numel(), ids.shape[1]
+    sorted_ids, block_expert, num_padded = moe_align(ids, w.w13.shape[0], cfg.block_m)
     inter = torch.empty((numel, w.intermediate), dtype=torch.bfloat16, device=h.device)  # [T*A', I]
-    y = torch.empty((numel, d), dtype=torch.bfloat16, device=h.device)  # [T*A', D]
+    y = torch.empty((numel, w.hidden), dtype=torch.bfloat16, device=h.device)  # [T*A', D]
     _launch_moe_gemm(h, w, True, inter, rw, sorted_ids, block_expert, num_padded, numel, a_slots, cfg)
     _launch_moe_gemm(inter, w, False, y, rw, sorted_ids, block_expert, num_padded, numel, 1, cfg)
     return sum_slots(y, a_slots)
+
+
+def moe_experts_add_rmsnorm(
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    route_w: torch.Tensor,
+    w: MoEWeights,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    one_plus: bool,
+    config: MoEPath | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rmsnorm(moe_experts(h, ids, route_w, w, config), residual, norm_weight, eps, one_plus)` bit
+    for bit: the MoE block, then the residual add + RMSNorm that follows it (the next layer's input norm,
+    or the final norm) -> (normed h bf16 `[T, D]`, new residual fp32 `[T, D]`).
+
+    On the decode path (`MoEDecodeConfig`) the down kernel's program that completes a token's last row
+    tile does the add + RMSNorm on the row, read back from L2: one launch fewer. That kernel then runs on
+    `add_rmsnorm`'s warps (4 at D <= 2048, whatever the config says): the row's sum is laid out, so
+    ordered, as there. Other paths make the two calls. `residual` (fp32 `[T, D]`, the engine's stream) is
+    only read: the new residual is a new tensor, as from `add_rmsnorm`."""
+    t, d = h.shape
+    if residual.dtype != torch.float32 or residual.shape != (t, d) or residual.stride(1) != 1:
+        raise ValueError(f"residual: expected float32 [{t}, {d}] with unit column stride, got "
+                         f"{residual.dtype} {list(residual.shape)} strides {residual.stride()}")
+    if norm_weight.shape != (d,) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight: expected a contiguous ({d},), got {tuple(norm_weight.shape)} strides "
+                         f"{norm_weight.stride()}")
+    cfg = _moe_path(h, ids, route_w, w, config)
+    if not isinstance(cfg, MoEDecodeConfig):
+        return add_rmsnorm(moe_experts(h, ids, route_w, w, cfg), residual, norm_weight, eps, one_plus)
+    normed = torch.empty_like(h)
+    residual_out = torch.empty_like(residual)
+    norm = _DecodeNorm(residual, norm_weight, eps, one_plus, normed, residual_out)
+    _moe_decode(h, ids, route_w.contiguous().view(-1).float(), w, cfg, norm)
+    return normed, residual_out
 
 
 def fused_moe(h: torch.Tensor, w: MoEWeights, top_k: int, renormalize: bool) -> torch.Tensor:

@@ -12,6 +12,7 @@ from batchinfer.kernels.moe import (
     fused_moe,
     fused_moe_ref,
     moe_experts,
+    moe_experts_add_rmsnorm,
     moe_experts_ref,
     moe_route,
     moe_route_ref,
@@ -19,8 +20,11 @@ from batchinfer.kernels.moe import (
 )
 from batchinfer.kernels.moe_align import moe_align, moe_align_ref
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
+from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import stack_moe_weights
 from batchinfer.kernels.nvfp4 import quantize_nvfp4, quantize_nvfp4_stack
+from batchinfer.kernels.nvfp4_gemm import _LOCKS
+from batchinfer.kernels.small_ops import add_rmsnorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -236,6 +240,95 @@ def test_rejects_mixed_or_misshaped_experts():
         moe_experts(h, ids64, torch.ones(1, 2, device=DEVICE), w)
 
 
+def _norm_inputs(t: int, d: int, shared: bool, seed: int, w=None):
+    """ids, route_w, h, an fp32 residual larger than the MoE output and a norm weight for `w` (or small
+    random NVFP4 experts, D 48: row tiles of 16 and 32, a ragged last one; BLOCK_D 64 > D)."""
+    w = w or _weights(5, d, 32, True, shared, seed=seed)
+    ids, route_w, g = _route(t, 2 + shared, 5 + shared, seed=seed + 1)
+    h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    residual = (torch.randn(t, d, generator=g) * 4).to(DEVICE)
+    norm_w = (torch.randn(d, generator=g) * 0.5).to(torch.bfloat16).to(DEVICE)
+    return w, ids, route_w, h, residual, norm_w
+
+
+def _counters_zero(device: torch.device) -> bool:
+    return all(not buf.any() for buf in _LOCKS.get(device, []))
+
+
+def _poisoned_empty(monkeypatch) -> None:
+    """torch.empty filled with NaN (floats) or -1: a row normed before all its tiles are stored reads NaN
+    instead of memory that may still hold the same values from an earlier call."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan") if x.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+# (tokens, down config, shared expert, one_plus): one and several row tiles a program, one split and
+# several (3 splits of 2 slots: one program with none), T = 1, 2, 5
+NORM_CASES = [
+    (1, (16, 2, 4, 1), True, True),
+    (1, (32, 2, 1, 3), False, False),
+    (2, (32, 2, 1, 3), False, True),
+    (2, (16, 2, 4, 1), True, False),
+    (5, (16, 2, 4, 2), True, False),
+    (5, (32, 2, 1, 1), False, True),
+]
+
+
+@pytest.mark.parametrize(("t", "down", "shared", "one_plus"), NORM_CASES)
+def test_decode_path_fuses_add_rmsnorm_bit_exact(monkeypatch, t, down, shared, one_plus):
+    """The down kernel's add + RMSNorm equals `add_rmsnorm` after `moe_experts` bit for bit, runs once a
+    token, leaves the residual it reads alone and every counter at zero (CUDA-graph replays reuse them)."""
+    w, ids, route_w, h, residual, norm_w = _norm_inputs(t, 48, shared, seed=81 + t)
+    cfg = MoEDecodeConfig((16, 2, 4, 1), down)
+    kept = residual.clone()
+    rows, norm_row = [], moe._add_rmsnorm_row
+
+    def counted(*args):  # the interpreter calls the kernel's helpers through the module's globals
+        rows.append(args[0])
+        return norm_row(*args)
+
+    with monkeypatch.context() as m:
+        _poisoned_empty(m)
+        m.setattr(moe, "_add_rmsnorm_row", counted)
+        normed, new_res = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, one_plus, cfg)
+    assert len(rows) == t  # once a token: in sequence (the interpreter) a row normed early is normed again
+    assert normed.shape == (t, 48) and normed.dtype == torch.bfloat16
+    assert new_res.shape == (t, 48) and new_res.dtype == torch.float32
+    assert _counters_zero(h.device)
+    moe_out = moe_experts(h, ids, route_w, w, config=cfg)
+    ref_h, ref_res = add_rmsnorm(moe_out, residual, norm_w, 1e-6, one_plus)
+    assert torch.equal(new_res, ref_res) and torch.equal(normed, ref_h)
+    assert torch.equal(residual, kept)  # read, never written
+    assert not torch.equal(new_res, residual)  # the MoE output was added
+    again = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, one_plus, cfg)
+    assert torch.equal(again[0], normed) and torch.equal(again[1], new_res)
+    assert _counters_zero(h.device)
+
+
+def test_add_rmsnorm_fallback_paths_make_the_two_calls():
+    """Paths other than the decode path (here the fused grouped GEMMs, and no entries) give the two calls'
+    results; a residual other than fp32 is refused on every path."""
+    w, ids, route_w, h, residual, norm_w = _norm_inputs(3, 48, True, seed=91)
+    cfg = MoEConfig(16, (16, 16, 4, 1), (16, 16, 4, 1))
+    normed, new_res = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-5, True, cfg)
+    ref_h, ref_res = add_rmsnorm(moe_experts(h, ids, route_w, w, config=cfg), residual, norm_w, 1e-5, True)
+    assert torch.equal(normed, ref_h) and torch.equal(new_res, ref_res)
+    decode = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-5, True)  # the default
+    assert _rel(decode[0], normed) < 1e-2 and not torch.equal(decode[1], residual)
+    no_slots = moe_experts_add_rmsnorm(h, ids[:, :0], route_w[:, :0], w, residual, norm_w, 1e-5, True)
+    assert torch.equal(no_slots[1], residual)  # the MoE adds zeros
+    assert torch.equal(no_slots[0], add_rmsnorm(torch.zeros_like(h), residual, norm_w, 1e-5, True)[0])
+    with pytest.raises(ValueError, match="residual: expected float32"):
+        moe_experts_add_rmsnorm(h, ids, route_w, w, residual.bfloat16(), norm_w, 1e-5, True, cfg)
+    with pytest.raises(ValueError, match="norm_weight: expected a contiguous \\(48,\\)"):
+        moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w[:47], 1e-5, True)
+
+
 # (experts, hidden, intermediate, shared) of Qwen3.5/3.6-35B-A3B and Qwen3-30B-A3B.
 GPU_MODELS = [(256, 2048, 512, True), (128, 2048, 768, False)]
 
@@ -293,3 +386,42 @@ def test_router_logits_run_as_an_aligned_gemm(experts):
     assert logits.shape == (37, experts) and logits.stride(1) == 1 and logits.stride(0) * 2 % 16 == 0
     assert _rel(logits, h @ router.t()) < 1e-2  # another cuBLAS kernel on the GPU: same values up to order
     assert torch.equal(router_logits(h[:1], w), h[:1] @ router.t())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2, 8, 32])
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
+def test_moe_add_rmsnorm_real_shapes(t, paired, e, d, i, shared):
+    """At the models' shapes, on the default path (the decode path but for 32 tokens of paired experts:
+    `moe_tc`) and its production config: `moe_experts_add_rmsnorm` is the two calls bit for bit (the same
+    fp32 ops in the same order: the norm's row sum is laid out as in `add_rmsnorm`), and stays so replayed
+    from a CUDA graph on new inputs (counters reset), against the fp32 reference within 1e-2."""
+    w = _weights(e, d, i, True, shared, seed=3 * t + e)
+    w = pair_moe_weights(w) if paired else w
+    g = torch.Generator().manual_seed(t)
+    h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids, route_w = moe_route(router_logits(h, w), e, 8, True, shared)
+    residual = (torch.randn(t, d, generator=g) * 4).to(DEVICE)
+    norm_w = (torch.randn(d, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE)
+
+    def both():
+        fused = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, True)
+        return fused, add_rmsnorm(moe_experts(h, ids, route_w, w), residual, norm_w, 1e-6, True)
+
+    fused, ref = both()
+    assert torch.equal(fused[1], ref[1]) and torch.equal(fused[0], ref[0])
+    if not paired:
+        x = (moe_experts_ref(h, ids, route_w, w) + residual).float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm_w.float())
+        assert _rel(fused[0], normed) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused, ref = both()
+    for _ in range(2):
+        h.copy_(torch.randn(t, d, generator=g).to(torch.bfloat16))
+        residual.copy_(torch.randn(t, d, generator=g) * 4)
+        fused[0].fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(fused[1], ref[1]) and torch.equal(fused[0], ref[0])
+    assert _counters_zero(h.device)

@@ -353,6 +353,10 @@ def _moe_launches() -> Iterator[tuple]:
     decode = lambda: run(8, moe._decode_config(72))
     yield "T=8 paired", moe._moe_decode_gate_up_kernel, decode
     yield "T=8 paired", moe._moe_decode_down_kernel, decode
+    norm = lambda t, cfg: moe.moe_experts_add_rmsnorm(  # noqa: E731
+        _t(t, D), ids(t), torch.rand(t, 9), w, _t(t, D, dtype=torch.float32), _t(D), 1e-6, True, config=cfg
+    )
+    yield "T=1 paired + add_rmsnorm", moe._moe_decode_down_kernel, lambda: norm(1, moe._decode_config(9))
     tc = moe.tc_config(16)
     yield "T=32 gate_up, BLOCK_M 16", moe_tc._moe_tc_kernel, lambda: run(32, tc)
     out = torch.empty(2 * I, D, dtype=torch.bfloat16)
