@@ -3,13 +3,15 @@ launch, where the engine makes three (`small_ops.add_rmsnorm`, `moe.router_logit
 
 Layouts: x bf16 `[1, D]`, residual fp32 `[1, D]`, norm weight `[D]`, router bf16 `[E', D]`
 (`MoEWeights.router`: E routed rows, then the shared expert's gate row when stacked).
-Numerics: the same as the three launches it replaces. Every program recomputes the sum and the norm exactly as
+Numerics: those of the three launches it replaces. Every program recomputes the sum and the norm op for op as
 `_add_rmsnorm_kernel` does (residual kept in fp32, h rounded once to bf16; program 0 stores both), then dots
-its `rows` router rows with the bf16 h in fp32 and rounds each logit to bf16, as cuBLAS's bf16 output does
-(the summation order differs from cuBLAS's, so a logit can land one bf16 step away from it). Logits go to a
-small bf16 workspace; the program that arrives last at a counter (`nvfp4_gemm.split_k_locks`, reset to 0 by
-that program, so CUDA-graph replays reuse it) reads them all and routes as `_moe_route_kernel` does
-(`moe.route_row`, the same code).
+its `rows` router rows with the bf16 h in fp32 and rounds each logit to bf16, as cuBLAS's bf16 output does.
+Logits go to a small bf16 workspace; the program that arrives last at a counter (`nvfp4_gemm.split_k_locks`,
+reset to 0 by that program, so CUDA-graph replays reuse it) reads them all and routes as `_moe_route_kernel`
+does (`moe.route_row`, the same code). Bit for bit under the interpreter; compiled, the residual is the same
+bits, but the reductions follow this launch's warps (the norm's sum of squares, add_rmsnorm's 4 warps; the
+softmax sum, moe_route's 1) and the router dots are summed in another order than cuBLAS's, so an element of
+h or a logit can land one bf16 step away, and a routing weight an fp32 rounding away, from the unfused ones.
 GPU assumptions: sm_90 or the Triton interpreter; one CUDA stream per device at a time uses the counters.
 Not yet timed: the grid is cdiv(E', rows) programs (129 at Qwen3.6's 257 rows with rows=2), each reading
 the whole x, residual and norm weight (from L2 after the first) and its own router rows.
@@ -115,9 +117,9 @@ def norm_route(
 
     x bf16 `[1, D]` (the mixer's output), residual fp32 `[1, D]`, norm_weight `[D]` (`(1 + w)` with
     `one_plus`). Returns (h bf16 `[1, D]`, the new residual fp32 `[1, D]`, ids int32 `[1, A']`, route_w fp32
-    `[1, A']`), A' = top_k (+1: the shared expert E with weight sigmoid(its gate logit)); h and the residual
-    are `add_rmsnorm`'s bits, ids and route_w `moe_route`'s on bf16 logits summed in another order than
-    cuBLAS's. `config` overrides the launch (a sweep)."""
+    `[1, A']`), A' = top_k (+1: the shared expert E with weight sigmoid(its gate logit)): the results of
+    `add_rmsnorm` and of `moe_route` on bf16 logits of the bf16 h, up to reduction order on the GPU (the
+    module docstring). `config` overrides the launch (a sweep)."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"x: norm_route takes one row (T == 1), got shape {list(x.shape)}")
     d = x.shape[1]
