@@ -167,16 +167,19 @@ def _decode_config(numel: int) -> MoEDecodeConfig:
 
 
 @triton.jit
-def _moe_route_kernel(
+def route_row(
     logits_ptr, ids_ptr, weights_ptr,  #
-    E, stride_lt,  #
+    E,  #
     TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,  #
-    PDL: tl.constexpr = False,  #
+    CACHE: tl.constexpr,  #
 ):
-    pdl.enter(PDL)
-    t = tl.program_id(0)
+    """One token's routing from its logits row `[E (+1)]` to ids and weights rows `[TOP_K (+1)]`: softmax in
+    fp32 over the E routed logits, top-k, optional renormalisation, the shared expert's gate sigmoid(logit E)
+    in slot TOP_K. Shared by `_moe_route_kernel` and `norm_route` (which reads logits other programs of its
+    grid wrote, so it loads them with CACHE=".cg", past the SM's L1)."""
     offs = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + offs, mask=offs < E, other=-float("inf"), cache_modifier=CACHE)
+    logits = logits.to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)
     slots = tl.arange(0, TOP_K)
@@ -190,13 +193,26 @@ def _moe_route_kernel(
         p = tl.where(offs == idx, -1.0, p)
     if RENORM:
         top_w = top_w / tl.sum(top_w, axis=0)
-    stride = TOP_K + SHARED
-    tl.store(ids_ptr + t * stride + slots, top_i)
-    tl.store(weights_ptr + t * stride + slots, top_w)
+    tl.store(ids_ptr + slots, top_i)
+    tl.store(weights_ptr + slots, top_w)
     if SHARED:
-        gate = tl.load(logits_ptr + t * stride_lt + E).to(tl.float32)
-        tl.store(ids_ptr + t * stride + TOP_K, E)
-        tl.store(weights_ptr + t * stride + TOP_K, tl.sigmoid(gate))
+        gate = tl.load(logits_ptr + E, cache_modifier=CACHE).to(tl.float32)
+        tl.store(ids_ptr + TOP_K, E)
+        tl.store(weights_ptr + TOP_K, tl.sigmoid(gate))
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr, ids_ptr, weights_ptr,  #
+    E, stride_lt,  #
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
+):
+    pdl.enter(PDL)
+    t = tl.program_id(0)
+    stride = TOP_K + SHARED
+    route_row(logits_ptr + t * stride_lt, ids_ptr + t * stride, weights_ptr + t * stride, E,  #
+              TOP_K, E_PAD, RENORM, SHARED, "")
 
 
 def moe_route(

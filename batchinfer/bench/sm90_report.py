@@ -45,6 +45,7 @@ from batchinfer.kernels import (
     moe,
     moe_align,
     moe_tc,
+    norm_route,
     nvfp4_gemm,
     pdl,
     qk_norm_rope,
@@ -58,7 +59,7 @@ from batchinfer.sam3.vit import axial_rope
 
 # fmt: off
 _MODULES = (attention, causal_conv1d, fp8_gemm, fp8_rows_mm, gdn, gdn_chunk, kv_cache, moe, moe_align,
-            moe_tc, nvfp4_gemm, qk_norm_rope, sampling, small_ops, norm_triton, rope_triton)
+            moe_tc, norm_route, nvfp4_gemm, qk_norm_rope, sampling, small_ops, norm_triton, rope_triton)
 # fmt: on
 
 _PDL_LAUNCH = pdl.launch
@@ -366,6 +367,17 @@ def _moe_launches() -> Iterator[tuple]:
     yield "one expert's gate_up", moe_tc._dequant_paired_kernel, dequant
 
 
+def _norm_route_launches() -> Iterator[tuple]:
+    """One decode row's norm + router + routing: Qwen3.6 (256 experts + the shared gate, (1 + w) norm) and
+    Qwen3-30B (128 experts)."""
+    D = 2048
+    x, r, norm_w = _t(1, D), _t(1, D, dtype=torch.float32), _t(D)
+    for E, shared in ((256, True), (128, False)):
+        w = MoEWeights(_t(E + shared, D), *(None,) * 6, E, shared)  # only the router is read
+        launch = lambda w=w, s=shared: norm_route.norm_route(x, r, norm_w, 1e-6, s, w, 8, True)  # noqa: E731
+        yield f"T=1 D={D}, {E} experts" + " + shared" * shared, norm_route._norm_route_kernel, launch
+
+
 def _fp8_gemv_launches() -> Iterator[tuple]:
     w, x = quantize_fp8(torch.randn(8192, 2048) * 0.02), _t(1, 2048)  # q_proj, one row
     yield "N=8192 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemm(x, w)
@@ -446,6 +458,7 @@ def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     yield from _gdn_launches()
     yield from _moe_align_launches()
     yield from _moe_launches()
+    yield from _norm_route_launches()
     yield from _fp8_gemv_launches()
     yield from _nvfp4_gemv_launches()
     yield from _small_op_launches()
