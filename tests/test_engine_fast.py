@@ -192,14 +192,16 @@ def test_one_row_decode_reads_the_checkpoint_bytes(monkeypatch, quant):
 
 
 def test_one_row_decode_fuses_its_small_steps(monkeypatch):
-    """A one-row step of the mixed layout runs DeltaNet's gated RMSNorm inside out_proj's GEMV and writes
-    the KV cache from the q/k norm + RoPE kernel: no `gated_rmsnorm` or `store_kv` launch of its own.
-    (What they compute is checked against the unfused kernels in their own tests and by the logits of the
-    test above.)"""
+    """A one-row step of the mixed layout runs DeltaNet's gated RMSNorm inside out_proj's GEMV, writes the
+    KV cache from the q/k norm + RoPE kernel, routes with `norm_route` and norms the next layer's input in
+    the MoE call: no `gated_rmsnorm`, `store_kv` or router launch of its own, one `add_rmsnorm` (the
+    embedding's). (What they compute is checked against the unfused kernels in their own tests and by the
+    logits of the test above.)"""
     from batchinfer.engine import kernel_model
 
     cfg, _, km = _models("tiny-qwen3.5-moe", "mixed")
-    calls: dict[str, list] = {"gated_rmsnorm": [], "store_kv": [], "fp8_gemv": [], "qk_norm_rope": []}
+    names = ("gated_rmsnorm", "store_kv", "fp8_gemv", "qk_norm_rope", "add_rmsnorm", "norm_route")
+    calls: dict[str, list] = {name: [] for name in (*names, "moe_route", "moe_experts_add_rmsnorm")}
     for name, got in calls.items():
         real = getattr(kernel_model, name)
         spy = lambda *a, real=real, got=got, **k: got.append((a, k)) or real(*a, **k)  # noqa: E731
@@ -213,7 +215,9 @@ def test_one_row_decode_fuses_its_small_steps(monkeypatch):
     km.decode(state, nxt, pos, torch.tensor([1], dtype=torch.int32, device=DEVICE))
     deltanet = sum(isinstance(x.mixer, DeltaNetWeights) for x in km.layers)
     attention = len(km.layers) - deltanet
-    assert not calls["gated_rmsnorm"] and not calls["store_kv"]
+    assert not calls["gated_rmsnorm"] and not calls["store_kv"] and not calls["moe_route"]
+    assert len(calls["add_rmsnorm"]) == 1
+    assert len(calls["norm_route"]) == len(calls["moe_experts_add_rmsnorm"]) == len(km.layers)
     assert sum("gated_norm" in k for _, k in calls["fp8_gemv"]) == deltanet
     assert sum(len(a) > 8 and a[8] is not None for a, _ in calls["qk_norm_rope"]) == attention
 

@@ -43,10 +43,11 @@ from batchinfer.kernels.fp8_gemm import FP8Rows, fp8_gemv, stack_fp8
 from batchinfer.kernels.gdn import gated_delta_rule, gated_rmsnorm
 from batchinfer.kernels.gdn_chunk import chunk_gated_delta_rule
 from batchinfer.kernels.kv_cache import store_kv
-from batchinfer.kernels.moe import fused_moe
+from batchinfer.kernels.moe import fused_moe, moe_experts_add_rmsnorm, moe_route, router_logits
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
 from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
+from batchinfer.kernels.norm_route import norm_route
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import NVFP4Rows, nvfp4_gemv, stack_nvfp4
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
@@ -389,12 +390,11 @@ class KernelModel:
         Appends to the slots' state; returns bf16 logits `[B, V]`. No host sync (CUDA-graph safe). A row
         with slot and position -1 pads a batch: it reads and writes no state and attends to nothing."""
         c = self.config
+        eps, one_plus = c.rms_norm_eps, c.one_plus_norm
         seq_lens = positions + 1
-        x, residual = embedding(ids, self.embed), None
+        x = embedding(ids, self.embed)
+        h, residual = add_rmsnorm(x, None, self.layers[0].input_norm, eps, one_plus, RESIDUAL)
         for i, layer in enumerate(self.layers):
-            h, residual = add_rmsnorm(
-                x, residual, layer.input_norm, c.rms_norm_eps, c.one_plus_norm, RESIDUAL
-            )
             if isinstance(layer.mixer, AttentionWeights):
                 kc, vc, ks, vs = state.kv(i)
                 q, _, _, gate = self._qkv(h, layer.mixer, positions, (kc, vc, ks, vs, slots))
@@ -402,9 +402,20 @@ class KernelModel:
                 h = _linear(o.reshape(len(ids), -1), layer.mixer.o_proj, layer.mixer.o_proj_rows)
             else:
                 h = self._deltanet(h, layer.mixer, state, i, slots, None, 1)
-            h, residual = add_rmsnorm(h, residual, layer.post_norm, c.rms_norm_eps, c.one_plus_norm)
-            x = fused_moe(h, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
-        h, _ = add_rmsnorm(x, residual, self.norm, c.rms_norm_eps, c.one_plus_norm)
+            moe, top_k, renorm = layer.moe, c.num_experts_per_tok, c.norm_topk_prob
+            if len(ids) == 1:  # the add + norm, the router GEMV and the routing in one launch
+                h, residual, experts, weights = norm_route(
+                    h, residual, layer.post_norm, eps, one_plus, moe, top_k, renorm
+                )
+            else:
+                h, residual = add_rmsnorm(h, residual, layer.post_norm, eps, one_plus)
+                experts, weights = moe_route(
+                    router_logits(h, moe), moe.num_experts, top_k, renorm, moe.has_shared
+                )
+            # the experts, then the next layer's input norm (the final norm after the last layer), fused on
+            # the MoE decode path
+            norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h, residual = moe_experts_add_rmsnorm(h, experts, weights, moe, residual, norm, eps, one_plus)
         return _linear(h, self.lm_head, self.lm_head_rows)
 
     def _qkv(self, h: torch.Tensor, w: AttentionWeights, positions: torch.Tensor, cache: tuple | None = None):
