@@ -25,6 +25,7 @@ from batchinfer.engine.kernel_model import KernelModel
 # `_nvfp4_dequant_kernel` counts as MoE: the engine dequantizes only experts at run time (its dense
 # weights are bf16 copies from load time; `kernel_model.py`).
 GROUPS = (
+    ("add + rmsnorm + router + route", r"norm_route"),  # one-row decode's fused launch
     ("moe route + align", r"moe_route|moe_align|_align|moe_hist|moe_offsets|moe_scatter"),
     ("projections (ours)", r"fp8_gemv|nvfp4_gemv|fp8_gemm|nvfp4_gemm|fp8_rows_mm|fp8_dequant"),
     ("moe experts", r"moe|dequant|sum_slots|silu_mul|^_combine_kernel"),
