@@ -17,13 +17,16 @@ registers (E4M3 -> fp32 is exact) and keeps per-thread partial sums. Its K loop 
 (`tl.range(num_stages=3)`): with no dot in the loop Triton left its loads synchronous, and ncu saw 35% of
 DRAM bandwidth at q_proj's shape (session 7); now cp.async (sm_90 compile): 7.3 us at q_proj, 2.3 TB/s,
 against cuBLAS bf16's 11.4 us (session 10). `fp8_gemv` runs the same kernel on `FP8Rows`, per-tensor
-weights stacked along N with a scale per row: the engine's q|k|v and DeltaNet qkv|z in one launch. sm_90.
+weights stacked along N with a scale per row: the engine's q|k|v and DeltaNet qkv|z in one launch. Two
+options fuse DeltaNet's neighbouring decode steps into it (out_proj's gated RMSNorm on its input,
+in_proj's causal-conv1d update on its conv outputs). sm_90.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import triton
@@ -39,10 +42,10 @@ from batchinfer.kernels.nvfp4_gemm import (
     choose_split_k,
     dequant_matmul,
     e4m3_to_f32,
+    gemv_split_total,
     interpreting,
     num_sms,
     split_k_locks,
-    store_gemv_split,
     store_split_tile,
 )
 
@@ -146,19 +149,55 @@ def _gemv_x(x_ptr, z_ptr, nw, eps, k, k_end,
 
 
 @triton.jit
+def _conv_update(y, rows, C, cw_ptr, slot_ptr, state_ptr, mixed_ptr, stride_cw, stride_ss, stride_sk,
+                 BLOCK_N: tl.constexpr, CONV_K: tl.constexpr, STATE_PAD: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """`causal_conv1d._conv1d_update_kernel` for the channels `rows` (those < C) of one decode row whose new
+    input is `y` (bf16 [BLOCK_N]: the projection as stored): its fp32 expressions in its order, `mixed`
+    rounded as it stores it, the slot's state rolled (no state traffic and zeros out for a negative slot).
+    The [BLOCK_N] vectors of a GEMV tile are copied across the threads that reduced its rows, so every read
+    of the old state comes before a barrier and every write after: a copy that read late would see the
+    rolled state. Only this tile's channels are touched (one program a tile reaches here)."""
+    c_ok = rows < C
+    slot = tl.load(slot_ptr).to(tl.int64)
+    out = tl.zeros([BLOCK_N], tl.float32)
+    if slot >= 0:
+        s_ptrs = state_ptr + slot * stride_ss + rows
+        w_last = tl.load(cw_ptr + rows * stride_cw + CONV_K - 1, mask=c_ok, other=0.0)
+        acc = y.to(tl.float32) * w_last.to(tl.float32)
+        for j in tl.static_range(CONV_K - 1):
+            prev = tl.load(s_ptrs + j * stride_sk, mask=c_ok, other=0.0)
+            w_j = tl.load(cw_ptr + rows * stride_cw + j, mask=c_ok, other=0.0)
+            acc += prev.to(tl.float32) * w_j.to(tl.float32)
+        taps = tl.arange(0, STATE_PAD)[:, None]  # the rolled state's entries: old entries 1..K-2, then y
+        keep = (taps < CONV_K - 2) & c_ok[None, :]
+        rolled = tl.load(s_ptrs[None, :] + (taps + 1) * stride_sk, mask=keep, other=0.0)
+        rolled = tl.where(taps == CONV_K - 2, y.to(state_ptr.dtype.element_ty)[None, :], rolled)
+        tl.debug_barrier()  # all reads of the old state above, all writes below
+        tl.store(s_ptrs[None, :] + taps * stride_sk, rolled, mask=(taps < CONV_K - 1) & c_ok[None, :])
+        out = acc * tl.sigmoid(acc)
+    tl.store(mixed_ptr + rows, small_ops._to(out, mixed_ptr.dtype.element_ty, INTERPRET), mask=c_ok)
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, tail_ptr, z_ptr, nw_ptr, out_ptr, ws_ptr, lock_ptr,  #
-    N, N_TAIL, K, stride_wn, stride_s, eps,  #
+    cw_ptr, slot_ptr, state_ptr, mixed_ptr,  #
+    N, N_TAIL, K, stride_wn, stride_s, eps, C,  #
+    stride_cw, stride_ss, stride_sk,  #
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_TAIL: tl.constexpr,  #
     STAGES: tl.constexpr,  #
     GATED_NORM: tl.constexpr = False, DV: tl.constexpr = 1, INTERPRET: tl.constexpr = False,  #
+    CONV: tl.constexpr = False, CONV_K: tl.constexpr = 2, STATE_PAD: tl.constexpr = 1,  #
     PDL: tl.constexpr = False,  #
 ):
     """out[n] = scale[n] * sum_k x[k] W[n, k] for BLOCK_N rows n and one of SPLIT_K ranges of K (scale[n]
     at n * stride_s: 0 for one tensor scale, 1 for stacked weights' rows); with HAS_TAIL, rows N to
     N + N_TAIL are bf16 rows of `tail` [N_TAIL, K] (scale 1), a tile across the boundary runs both loops.
     With GATED_NORM, x is DeltaNet's o before its gated RMSNorm (heads of DV, z at z_ptr, weight at nw_ptr),
-    applied to each K step's heads as they are loaded (`_gemv_x`).
+    applied to each K step's heads as they are loaded (`_gemv_x`). With CONV, outputs 0 to C are DeltaNet's
+    conv channels: the program that completes their tile runs the decode conv update on them (`_conv_update`:
+    conv weight [C, CONV_K] at cw_ptr, slot at slot_ptr, state [slots, CONV_K - 1, C], mixed [C]).
     Partial sums [BLOCK_N, BLOCK_K] per thread, one reduction at the end, split partials summed in split
     order by the last program to finish (as `_fp8_gemm_kernel`)."""
     pdl.enter(PDL)
@@ -193,7 +232,14 @@ def _fp8_gemv_kernel(
                 acc += t.to(tl.float32) * x[None, :]
     mask_n = rows < n_out
     part = tl.sum(acc, axis=1) * tl.load(scale_ptr + rows * stride_s, mask=mask_w, other=1.0)
-    store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, n_out, SPLIT_K)
+    total, last = gemv_split_total(part, ws_ptr, lock_ptr, rows, mask_n, n_out, SPLIT_K)
+    if last:
+        y = total.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows, y, mask=mask_n)
+        if CONV:
+            if pid_n * BLOCK_N < C:
+                _conv_update(y, rows, C, cw_ptr, slot_ptr, state_ptr, mixed_ptr,
+                             stride_cw, stride_ss, stride_sk, BLOCK_N, CONV_K, STATE_PAD, INTERPRET)
 
 
 @dataclass(slots=True)
@@ -243,6 +289,8 @@ def fp8_gemv_config() -> GemvConfig:
 
 
 GatedNorm = tuple[torch.Tensor, torch.Tensor, float]  # DeltaNet's (z [1, K], weight [Dv], eps)
+# DeltaNet's decode conv: (weight [C, Kc], state [slots, Kc - 1, C], slot int32/int64 [1])
+ConvUpdate = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _fp8_gemv(
@@ -251,9 +299,12 @@ def _fp8_gemv(
     out: torch.Tensor,
     config: GemvConfig | None = None,
     gated_norm: GatedNorm | None = None,
+    conv: ConvUpdate | None = None,
+    mixed: torch.Tensor | None = None,
 ) -> None:
     """`_fp8_gemv_kernel` for one row: x `[1, K]`, out `[1, N (+ N_TAIL)]` (unit strides); `gated_norm`
-    checked by `fp8_gemv`, its Dv dividing the launch's BLOCK_K."""
+    checked by `fp8_gemv`, its Dv dividing the launch's BLOCK_K; `conv` checked by `_check_conv`, with
+    `mixed` its output `[1, C]`."""
     n, k = w.data.shape
     tail = w.tail if isinstance(w, FP8Rows) else None
     n_tail = 0 if tail is None else tail.shape[0]
@@ -264,12 +315,17 @@ def _fp8_gemv(
     ws = torch.empty((split, n + n_tail), dtype=torch.float32, device=x.device) if split > 1 else out
     locks = split_k_locks(x.device, tiles) if split > 1 else out
     z, nw, eps = gated_norm or (x, x, 0.0)
+    cw, state, slot = conv or (x, x.view(1, 1, -1), x)
+    kc = cw.shape[1] if conv else 2
     _fp8_gemv_kernel[(tiles, split)](
         x, w.data.view(torch.uint8), w.scale, x if tail is None else tail, z, nw, out, ws, locks,  #
-        n, n_tail, k, w.data.stride(0), int(w.scale.ndim == 1), eps,  #
+        cw, slot, state, out if mixed is None else mixed,  #
+        n, n_tail, k, w.data.stride(0), int(w.scale.ndim == 1), eps, cw.shape[0] if conv else 0,  #
+        cw.stride(0), state.stride(0), state.stride(1),  #
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_TAIL=tail is not None,  #
         STAGES=cfg.num_stages,  #
         GATED_NORM=gated_norm is not None, DV=nw.shape[0] if gated_norm else 1, INTERPRET=interpreting(),  #
+        CONV=conv is not None, CONV_K=kc, STATE_PAD=triton.next_power_of_2(kc - 1),  #
         num_warps=cfg.num_warps, **pdl.launch(out.device),  #
     )
 
@@ -287,13 +343,46 @@ def _check_gated_norm(gated_norm: GatedNorm, x: torch.Tensor) -> int:
     return dv
 
 
+def _check_conv(conv: ConvUpdate, w: FP8Rows, device: torch.device) -> int:
+    """C of `fp8_gemv`'s `conv` (its channels the first C of w's rows)."""
+    weight, state, slot = conv
+    shape_ok = weight.dim() == 2 and 0 < weight.shape[0] <= w.rows and weight.shape[1] >= 2
+    if not shape_ok or weight.stride(-1) != 1 or weight.device != device:
+        raise ValueError(f"conv weight: expected [C, Kc] with unit column stride, 0 < C <= {w.rows} (the "
+                         f"GEMV's rows), Kc >= 2, on {device}; got {list(weight.shape)} strides "
+                         f"{weight.stride()} on {weight.device}")
+    c, kc = weight.shape
+    if state.dim() != 3 or state.shape[1:] != (kc - 1, c) or state.stride(-1) != 1 or state.device != device:
+        raise ValueError(f"conv state: expected [slots, {kc - 1}, {c}] with unit channel stride on {device}, "
+                         f"got {list(state.shape)} strides {state.stride()} on {state.device}")
+    if slot.shape != (1,) or slot.dtype not in (torch.int32, torch.int64) or slot.device != device:
+        raise ValueError(f"conv slot: expected int32 or int64 [1] on {device}, got {slot.dtype} "
+                         f"{list(slot.shape)} on {slot.device}")
+    return c
+
+
+@overload
+def fp8_gemv(
+    x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None, config: GemvConfig | None = None,
+    gated_norm: GatedNorm | None = None, conv: None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def fp8_gemv(
+    x: torch.Tensor, w: FP8Rows, out: torch.Tensor | None = None, config: GemvConfig | None = None,
+    gated_norm: GatedNorm | None = None, *, conv: ConvUpdate,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def fp8_gemv(
     x: torch.Tensor,
     w: FP8Rows,
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     gated_norm: GatedNorm | None = None,
-) -> torch.Tensor:
+    conv: ConvUpdate | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One bf16 row `x [1, K]` times stacked FP8 (and bf16 tail) rows `W [N, K]` transposed -> `[1, N]`
     bf16, reading the FP8 bytes (single-stream decode, where the weights are all the bytes a step moves).
     `out` may be a view with unit column stride; `config` overrides the launch (tuner).
@@ -306,7 +395,15 @@ def fp8_gemv(
     in different orders (`_gemv_x`), so an x element can land one bf16 ulp apart where rstd's last bit
     decides its rounding.
     A Dv that does not divide the launch's 16 * block_g columns (the demo model's 48) runs those two
-    launches instead."""
+    launches instead.
+
+    `conv = (weight [C, Kc], state [slots, Kc - 1, C], slot [1])`: the first C outputs are DeltaNet's conv
+    channels (in_proj's qkv), and the GEMV also runs their decode conv update (one launch instead of two,
+    single-stream decode's in_proj): returns `(out, mixed)`, mixed `[1, C]` bf16, rolling the slot's state
+    in place. The same as `out = fp8_gemv(x, w)` then `mixed = causal_conv1d_update(out[:, :C], weight,
+    state, slot)`: the program that completes a tile of conv channels runs that kernel's fp32 expressions
+    on the tile's bf16 outputs; proj, mixed and the state are bit-identical to the two launches (a
+    negative slot: no state read or write, mixed zeros)."""
     k = w.data.shape[1]
     if x.shape != (1, k) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"x: expected bfloat16 [1, {k}] with unit stride, got {x.dtype} {list(x.shape)}")
@@ -317,8 +414,12 @@ def fp8_gemv(
         if 16 * (config or fp8_gemv_config()).block_g % dv:  # a head across two K steps: two launches
             z, weight, eps = gated_norm
             x, gated_norm = gated_rmsnorm(x.view(-1, dv), z.view(-1, dv), weight, eps).view(1, k), None
-    _fp8_gemv(x, w, out, config, gated_norm)
-    return out
+    if conv is None:
+        _fp8_gemv(x, w, out, config, gated_norm)
+        return out
+    mixed = torch.empty((1, _check_conv(conv, w, x.device)), dtype=torch.bfloat16, device=x.device)
+    _fp8_gemv(x, w, out, config, gated_norm, conv, mixed)
+    return out, mixed
 
 
 def fp8_dequantize(w: FP8Weight, row_start: int = 0, row_end: int | None = None) -> torch.Tensor:

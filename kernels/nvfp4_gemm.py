@@ -328,23 +328,36 @@ def store_split_tile(acc, out_ptrs, ws_ptrs, mask, lock_ptr, tile, split, MN, SP
 
 
 @triton.jit
-def store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K: tl.constexpr):
-    """The end of a one-row split-K GEMV program (grid: row tiles x SPLIT_K): with one split store `part`
-    (fp32 [BLOCK_N] of outputs `rows`), else publish it in `ws` [SPLIT_K, N] and let the tile's last split
-    to arrive (its counter in `lock`) sum the partials in split order, store them and reset the counter."""
+def gemv_split_total(part, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K: tl.constexpr):
+    """`(total, is_last)` at the end of a one-row split-K GEMV program (grid: row tiles x SPLIT_K): with one
+    split `(part, True)` (fp32 [BLOCK_N] of outputs `rows`); else publish `part` in `ws` [SPLIT_K, N]; the
+    tile's last split to arrive (its counter in `lock`) gets the partials summed in split order and resets
+    the counter, every other program `is_last` False (its `total` is not the tile's). For an epilogue that
+    needs the tile's final values (`fp8_gemm`'s conv update)."""
     if SPLIT_K == 1:
-        tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=mask_n)
+        return part, True
     else:
         pid_n = tl.program_id(0)
         tl.store(ws_ptr + tl.program_id(1) * N + rows, part, mask=mask_n)
         tl.debug_barrier()
         done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
+        last = done == SPLIT_K - 1
+        total = part
+        if last:
             total = tl.zeros_like(part)
             for i in range(SPLIT_K):
                 total += tl.load(ws_ptr + i * N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask_n)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
+        return total, last
+
+
+@triton.jit
+def store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K: tl.constexpr):
+    """The end of a one-row split-K GEMV program: `gemv_split_total`, and the tile's last program stores the
+    total (as `out`'s dtype)."""
+    total, last = gemv_split_total(part, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K)
+    if last:
+        tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit

@@ -192,15 +192,16 @@ def test_one_row_decode_reads_the_checkpoint_bytes(monkeypatch, quant):
 
 
 def test_one_row_decode_fuses_its_small_steps(monkeypatch):
-    """A one-row step of the mixed layout runs DeltaNet's gated RMSNorm inside out_proj's GEMV, writes the
-    KV cache from the q/k norm + RoPE kernel, routes with `norm_route` and norms the next layer's input in
-    the MoE call: no `gated_rmsnorm`, `store_kv` or router launch of its own, one `add_rmsnorm` (the
-    embedding's). (What they compute is checked against the unfused kernels in their own tests and by the
-    logits of the test above.)"""
+    """A one-row step of the mixed layout runs DeltaNet's conv update inside in_proj's GEMV and its gated
+    RMSNorm inside out_proj's, writes the KV cache from the q/k norm + RoPE kernel, routes with `norm_route`
+    and norms the next layer's input in the MoE call: no `causal_conv1d_update`, `gated_rmsnorm`, `store_kv`
+    or router launch of its own, one `add_rmsnorm` (the embedding's). (What they compute is checked against
+    the unfused kernels in their own tests and by the logits of the test above.)"""
     from batchinfer.engine import kernel_model
 
     cfg, _, km = _models("tiny-qwen3.5-moe", "mixed")
     names = ("gated_rmsnorm", "store_kv", "fp8_gemv", "qk_norm_rope", "add_rmsnorm", "norm_route")
+    names += ("causal_conv1d_update",)
     calls: dict[str, list] = {name: [] for name in (*names, "moe_route", "moe_experts_add_rmsnorm")}
     for name, got in calls.items():
         real = getattr(kernel_model, name)
@@ -219,6 +220,7 @@ def test_one_row_decode_fuses_its_small_steps(monkeypatch):
     assert len(calls["add_rmsnorm"]) == 1
     assert len(calls["norm_route"]) == len(calls["moe_experts_add_rmsnorm"]) == len(km.layers)
     assert sum("gated_norm" in k for _, k in calls["fp8_gemv"]) == deltanet
+    assert not calls["causal_conv1d_update"] and sum("conv" in k for _, k in calls["fp8_gemv"]) == deltanet
     assert sum(len(a) > 8 and a[8] is not None for a, _ in calls["qk_norm_rope"]) == attention
 
 

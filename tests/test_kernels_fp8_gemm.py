@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from batchinfer.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_update_ref
 from batchinfer.kernels.fp8_gemm import fp8_dequantize, fp8_gemm, fp8_gemm_ref, fp8_gemv, stack_fp8
 from batchinfer.kernels.gdn import gated_rmsnorm, gated_rmsnorm_ref
 from batchinfer.kernels.nvfp4 import quantize_fp8
@@ -214,6 +215,90 @@ def test_gated_norm_rejects_bad_inputs():
         fp8_gemv(o, rows, gated_norm=(z, weight.view(4, 4), 1e-6))
 
 
+def _in_proj(n: int, tail_rows: int, k: int, c: int, kc: int, slots: int, seed: int):
+    """in_proj at one decode row: FP8 rows (+ a bf16 tail, DeltaNet's b|a), the conv weight `[C, Kc]` and a
+    random conv state pool `[slots, Kc - 1, C]` (bf16, as the engine keeps it)."""
+    g = torch.Generator().manual_seed(seed)
+    tail = [(torch.randn(tail_rows, k, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE)] if tail_rows else []
+    rows = stack_fp8([quantize_fp8(torch.randn(n, k, generator=g) * 0.05).to(DEVICE)], tail)
+    weight = (torch.randn(c, kc, generator=g) * 0.5).to(torch.bfloat16).to(DEVICE)
+    state = torch.randn(slots, kc - 1, c, generator=g).to(torch.bfloat16).to(DEVICE)
+    return rows, weight, state
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 as its bits: equal means bit-identical (-0 and +0 differ; NaN equals the same NaN)."""
+    return t.view(torch.int16)
+
+
+def _conv_steps(rows, weight, state, slot_seq, config, seed: int) -> None:
+    """One decode row a step, each into the slot of `slot_seq` (-1: padded): the fused GEMV + conv against
+    `fp8_gemv` then `causal_conv1d_update` on a copy of the pool, bit for bit: proj (in a poisoned column
+    slice), mixed and the whole pool after every step, so each step reads the state the one before rolled."""
+    g = torch.Generator().manual_seed(seed)
+    c, k, n = weight.shape[0], rows.data.shape[1], rows.rows
+    pool = state.clone()
+    for slot in slot_seq:
+        x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(DEVICE)
+        s = torch.tensor([slot], dtype=torch.int32, device=DEVICE)
+        before = state.clone()
+        wide = torch.full((1, n + 5), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        proj, mixed = fp8_gemv(x, rows, out=wide[:, 2 : 2 + n], config=config, conv=(weight, state, s))
+        want = fp8_gemv(x, rows, config=config)
+        want_mixed = causal_conv1d_update(want[:, :c], weight, pool, s)
+        assert proj.data_ptr() == wide[:, 2:].data_ptr() and mixed.shape == (1, c)
+        assert torch.equal(_bits(proj), _bits(want)), slot
+        assert torch.equal(_bits(mixed), _bits(want_mixed)), (slot, (mixed - want_mixed).abs().max())
+        assert torch.equal(_bits(state), _bits(pool)), slot
+        assert wide[:, :2].isnan().all() and wide[:, 2 + n :].isnan().all()
+        if slot < 0:  # padded: zeros out, the pool untouched
+            assert torch.equal(_bits(state), _bits(before)) and not mixed.any()
+        else:  # and the two launches are the conv: within bf16 of the fp32 reference on the bf16 proj
+            ref_mixed, ref_state = causal_conv1d_update_ref(want[:, :c], weight, before, s)
+            assert torch.allclose(mixed.float(), ref_mixed, rtol=2**-7, atol=1e-3)
+            assert torch.equal(_bits(state), _bits(ref_state))
+
+
+@pytest.mark.parametrize(
+    ("n", "tail_rows", "c", "kc", "block_g", "split"),
+    [
+        (40, 7, 37, 4, 2, 1),  # C no multiple of BLOCK_N: the tile of rows 32-47 holds conv channels, z, b|a
+        (40, 7, 37, 4, 2, 2),  # the same, split-K (the last split's epilogue)
+        (48, 0, 48, 4, 2, 3),  # every row a conv channel, whole tiles; K = 128 in 3 splits: the third empty
+        (24, 9, 20, 2, 4, 2),  # Kc = 2: one state entry, nothing to shift
+        (30, 4, 30, 5, 2, 1),  # Kc = 5: four state entries; the conv channels end where the bf16 tail starts
+    ],
+)
+def test_conv_fused_is_bit_exact(n, tail_rows, c, kc, block_g, split):
+    """The GEMV with DeltaNet's conv update in its epilogue equals the two launches bit for bit, over steps
+    into slots 2, 2, padded, 0, 2 of a pool of 3 (the rolled state read back; a padded row leaves it)."""
+    k = 128 if split == 3 else 96
+    rows, weight, state = _in_proj(n, tail_rows, k, c, kc, slots=3, seed=n + c + kc + split)
+    _conv_steps(rows, weight, state, [2, 2, -1, 0, 2], GemvConfig(16, block_g, 4, split), seed=split)
+
+
+def test_conv_rejects_bad_inputs():
+    rows, weight, state = _in_proj(24, 4, 64, 20, 4, slots=2, seed=9)
+    x = torch.randn(1, 64).to(torch.bfloat16).to(DEVICE)
+    s = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"conv weight: expected \[C, Kc\] .* 0 < C <= 28"):
+        fp8_gemv(x, rows, conv=(torch.zeros(29, 4, dtype=torch.bfloat16, device=DEVICE), state, s))
+    with pytest.raises(ValueError, match="Kc >= 2"):
+        fp8_gemv(x, rows, conv=(weight[:, :1], state[:, :0], s))
+    with pytest.raises(ValueError, match="conv weight: expected .* unit column stride"):
+        fp8_gemv(x, rows, conv=(weight.t().contiguous().t(), state, s))
+    with pytest.raises(ValueError, match=r"conv state: expected \[slots, 3, 20\]"):
+        fp8_gemv(x, rows, conv=(weight, state[:, :2], s))
+    with pytest.raises(ValueError, match=r"conv state: expected \[slots, 3, 20\]"):
+        fp8_gemv(x, rows, conv=(weight, state.transpose(1, 2).contiguous(), s))
+    with pytest.raises(ValueError, match="conv state: .* unit channel stride"):
+        fp8_gemv(x, rows, conv=(weight, torch.cat([state, state], -1)[..., ::2], s))
+    with pytest.raises(ValueError, match=r"conv slot: expected int32 or int64 \[1\]"):
+        fp8_gemv(x, rows, conv=(weight, state, torch.zeros(2, dtype=torch.int32, device=DEVICE)))
+    with pytest.raises(ValueError, match="conv slot: expected int32 or int64"):
+        fp8_gemv(x, rows, conv=(weight, state, s.float()))
+
+
 # Real shapes of both models (N, K): q_proj / in_proj_qkv, o_proj / out_proj, experts, lm_head slice.
 GPU_SHAPES = [(8192, 2048), (2048, 4096), (512, 2048), (2048, 768), (16384, 2048)]
 
@@ -252,3 +337,15 @@ def test_gated_norm_fused_real_shape(tail_rows):
         _check(out, want.float(), tol=1e-3, exact_weights=False)
         normed = gated_rmsnorm_ref(o.view(-1, 128), z.view(-1, 128), weight, 1e-6).view(1, -1)
         _check(out, normed @ data.t(), tol=5e-3, exact_weights=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 4])  # the production launch (one split at this shape); split-K
+def test_conv_fused_real_shape(split):
+    """Qwen3.6's DeltaNet in_proj (FP8 qkv|z 8192 + 4096 rows, bf16 b|a 64, K = 2048) with its conv (C =
+    8192, Kc = 4): the math is the same ops in the same order, so bit-identical to the two launches, state
+    included, over 20 steps in slots of a pool of 8 (a race between the tile's reads of the old state and
+    its writes of the rolled one would show as a mismatch in some step)."""
+    rows, weight, state = _in_proj(12288, 64, 2048, 8192, 4, slots=8, seed=36)
+    slot_seq = [3, 3, 5, -1, 3, 0, 7, 7, 7, 3] * 2
+    _conv_steps(rows, weight, state, slot_seq, GemvConfig(16, 16, 4, split) if split else None, seed=36)

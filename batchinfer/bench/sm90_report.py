@@ -403,6 +403,9 @@ def _fp8_gemv_launches() -> Iterator[tuple]:
     yield "N=2048 K=4096 M=1 gated norm Dv=128", fp8_gemm._fp8_gemv_kernel, on_h200(gated)
     rows = fp8_gemm.stack_fp8([quantize_fp8(torch.randn(12288, 2048) * 0.02)], [_t(64, 2048)])  # qkv|z, b|a
     yield "N=12288+64 bf16 K=2048 M=1", fp8_gemm._fp8_gemv_kernel, lambda: fp8_gemm.fp8_gemv(x, rows)
+    conv = (_t(8192, 4), _t(8, 3, 8192), torch.zeros(1, dtype=torch.int32))  # qkv: C = 8192, Kc = 4
+    in_proj = lambda: fp8_gemm.fp8_gemv(x, rows, conv=conv)  # noqa: E731
+    yield "N=12288+64 bf16 K=2048 M=1 conv C=8192 Kc=4", fp8_gemm._fp8_gemv_kernel, in_proj
     x32 = _t(32, 2048)  # a decode batch of 32 on the same stack
     yield (
         "N=12288+64 bf16 K=2048 M=32",

@@ -450,12 +450,15 @@ class KernelModel:
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
         Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         C = self._conv_dim
-        proj = _linear(h, w.in_proj, w.in_proj_rows)  # [T, C + Hv * Dv + 2 * Hv]
         conv_state, rec = state.conv[i], state.recurrent[i]
-        if cu_seqlens is None:
-            mixed = causal_conv1d_update(proj[:, :C], w.conv, conv_state, slots)  # type: ignore[arg-type]
+        if T == 1 and cu_seqlens is None and isinstance(w.in_proj_rows, FP8Rows):  # conv in in_proj's GEMV
+            proj, mixed = fp8_gemv(h, w.in_proj_rows, conv=(w.conv, conv_state, slots))  # type: ignore[arg-type]
         else:
-            mixed = causal_conv1d(proj[:, :C], w.conv, cu_seqlens, max_seqlen, conv_state, slots, past)  # type: ignore[arg-type]
+            proj = _linear(h, w.in_proj, w.in_proj_rows)  # [T, C + Hv * Dv + 2 * Hv]
+            if cu_seqlens is None:
+                mixed = causal_conv1d_update(proj[:, :C], w.conv, conv_state, slots)  # type: ignore[arg-type]
+            else:
+                mixed = causal_conv1d(proj[:, :C], w.conv, cu_seqlens, max_seqlen, conv_state, slots, past)  # type: ignore[arg-type]
         q = mixed[:, : Hk * Dk].view(T, Hk, Dk)
         k = mixed[:, Hk * Dk : 2 * Hk * Dk].view(T, Hk, Dk)
         v = mixed[:, 2 * Hk * Dk :].view(T, Hv, Dv)
