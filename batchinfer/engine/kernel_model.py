@@ -26,7 +26,11 @@ they store it; fp16 keeps 3 more mantissa bits than bf16 and saturates at +-6550
 The residual stream is kept in fp32 (`RESIDUAL`), where HF rounds it to bf16 at every layer: that
 rounding is most of a bf16 forward's drift from fp32, and costs 2 bytes a hidden value more.
 Two forwards: `prefill` runs whole prompts packed (`cu_seqlens`), each from an empty slot; `decode` runs
-one token per row and is CUDA-graph safe (no host sync, shapes fixed by the row count).
+one token per row and is CUDA-graph safe (no host sync, shapes fixed by the row count). A decode step is
+latency-bound (a few MB of work per launch at one row), so its small steps ride in their neighbours'
+launches: the KV-cache write in the q/k norm + RoPE kernel, the next layer's input add + RMSNorm in the
+MoE decode path's down kernel, and at one row the post-mixer add + RMSNorm with the router and the routing
+(`norm_route`), DeltaNet's conv update in in_proj's GEMV and its gated RMSNorm in out_proj's.
 """
 
 from __future__ import annotations
