@@ -704,15 +704,18 @@ def moe_experts_add_rmsnorm(
     one_plus: bool,
     config: MoEPath | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rmsnorm(moe_experts(h, ids, route_w, w, config), residual, norm_weight, eps, one_plus)` bit
-    for bit: the MoE block, then the residual add + RMSNorm that follows it (the next layer's input norm,
-    or the final norm) -> (normed h bf16 `[T, D]`, new residual fp32 `[T, D]`).
+    """`add_rmsnorm(moe_experts(h, ids, route_w, w, config), residual, norm_weight, eps, one_plus)`: the
+    MoE block, then the residual add + RMSNorm that follows it (the next layer's input norm, or the final
+    norm) -> (normed h bf16 `[T, D]`, new residual fp32 `[T, D]`).
 
     On the decode path (`MoEDecodeConfig`) the down kernel's program that completes a token's last row
     tile does the add + RMSNorm on the row, read back from L2: one launch fewer. That kernel then runs on
-    `add_rmsnorm`'s warps (4 at D <= 2048, whatever the config says): the row's sum is laid out, so
-    ordered, as there. Other paths make the two calls. `residual` (fp32 `[T, D]`, the engine's stream) is
-    only read: the new residual is a new tensor, as from `add_rmsnorm`."""
+    `add_rmsnorm`'s warps (4 at D <= 2048, whatever the config says): the norm's row sum is laid out, so
+    ordered, as there, but where the config has 2 warps (up to 8 tokens) the down GEMV's own sums change
+    order, so the MoE output can differ from the two calls by a bf16 rounding (on the H100, session 25:
+    not bit-equal at 2 and 8 tokens; bit for bit under the interpreter). Other paths make the two calls.
+    `residual` (fp32 `[T, D]`, the engine's stream) is only read: the new residual is a new tensor, as from
+    `add_rmsnorm`."""
     t, d = h.shape
     if residual.dtype != torch.float32 or residual.shape != (t, d) or residual.stride(1) != 1:
         raise ValueError(f"residual: expected float32 [{t}, {d}] with unit column stride, got "

@@ -11,9 +11,6 @@ one CTA turning them into offsets, then a scatter (many CTAs, which also find ea
 the offsets are serial: the sentinel fill and the block experts, once in that one CTA too, took most of
 its time (63 us at 18,432 entries on the H200, session 6). Ranks within a chunk come from a cumulative
 count of the chunk's earlier entries of the same expert, so no atomics and the order is reproducible.
-Decode batches (up to ONE_PROGRAM_MAX entries: `conc32` has 288 a layer) take one launch of one CTA that
-does all three steps (`_moe_align_one_kernel`): the three launches' dependent tails were 351 us of a 32-row
-Qwen3.6 step on the H200 (8.8 us a layer, session 23), for work that fits one CTA's registers.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import triton.language as tl
 from batchinfer.kernels import pdl
 
 _CHUNK = 64
-ONE_PROGRAM_MAX = 512  # entries up to which one CTA aligns (decode batches)
 
 
 @triton.jit
@@ -111,76 +107,21 @@ def _moe_scatter_kernel(
         tl.store(block_expert_ptr + blocks, tl.where(pos < total, expert, -1), mask=blocks < b_end)
 
 
-@triton.jit
-def _moe_align_one_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,  #
-    NUMEL, MAX_PADDED, MAX_BLOCKS,  #
-    E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,  #
-    PDL: tl.constexpr = False,  #
-):
-    """All of `moe_align` in one program: the experts' counts over CHUNK-entry chunks, their padded
-    offsets, the sentinel fill, then the entries in place (each chunk's ranks as in `_moe_scatter_kernel`,
-    after the counts of the chunks before it) and each block's expert."""
-    pdl.enter(PDL)
-    e_offs = tl.arange(0, E_PAD)
-    lanes = tl.arange(0, CHUNK)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c0 in range(0, NUMEL, CHUNK):
-        ids = tl.load(ids_ptr + c0 + lanes, mask=c0 + lanes < NUMEL, other=-1)
-        counts += tl.sum((ids[:, None] == e_offs[None, :]).to(tl.int32), axis=0)
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, total)
-    for p0 in range(0, MAX_PADDED, 256):
-        p = p0 + tl.arange(0, 256)
-        tl.store(sorted_ptr + p, tl.full((256,), 0, tl.int32) + NUMEL, mask=p < MAX_PADDED)
-    tl.debug_barrier()  # the sentinel lands before any entry (other threads store both)
-    running = ends - padded  # where each expert's next entry goes
-    for c0 in range(0, NUMEL, CHUNK):
-        offs = c0 + lanes
-        ids = tl.load(ids_ptr + offs, mask=offs < NUMEL, other=-1)
-        onehot = (ids[:, None] == e_offs[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
-        valid = (offs < NUMEL) & (ids >= 0) & (ids < E_PAD)  # an id out of range writes nothing
-        earlier = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        base = tl.sum(onehot * running[None, :], axis=1)
-        tl.store(sorted_ptr + base + rank, offs, mask=valid)
-        running += tl.sum(onehot, axis=0)
-    for b0 in range(0, MAX_BLOCKS, 16):
-        blocks = b0 + tl.arange(0, 16)
-        pos = blocks * BLOCK_M
-        expert = tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)  # first expert ending after pos
-        tl.store(block_expert_ptr + blocks, tl.where(pos < total, expert, -1), mask=blocks < MAX_BLOCKS)
-
-
 def max_blocks(numel: int, num_experts: int, block_m: int) -> int:
     """Upper bound on BLOCK_M blocks after padding: every non-empty expert adds < one block."""
     return triton.cdiv(numel, block_m) + min(num_experts, numel)
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`topk_ids int32 [T, A]` -> (sorted_ids, block_expert, num_padded); see the module docstring.
-    `one_program` forces (True) or forbids (False) the one-launch kernel; by default it runs up to
-    ONE_PROGRAM_MAX entries."""
+    """`topk_ids int32 [T, A]` -> (sorted_ids, block_expert, num_padded); see the module docstring."""
     if topk_ids.dtype != torch.int32 or topk_ids.ndim != 2:
         raise ValueError(f"topk_ids: expected int32 [T, A], got {topk_ids.dtype} {list(topk_ids.shape)}")
     ids = topk_ids.contiguous().view(-1)
     numel, dev = ids.numel(), ids.device
     e_pad = triton.next_power_of_2(num_experts)
     blocks = max_blocks(numel, num_experts, block_m)
-    if one_program if one_program is not None else numel <= ONE_PROGRAM_MAX:
-        sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
-        block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
-        num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-        _moe_align_one_kernel[(1,)](
-            ids, sorted_ids, block_expert, num_padded, numel, blocks * block_m, blocks,  #
-            E_PAD=e_pad, CHUNK=_CHUNK if e_pad <= 256 else _CHUNK // 2, BLOCK_M=block_m, num_warps=8,  #
-            **pdl.launch(dev),  #
-        )
-        return sorted_ids, block_expert, num_padded
     chunks = max(1, triton.cdiv(numel, _CHUNK))
     hist = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
     chunk_base = torch.empty_like(hist)

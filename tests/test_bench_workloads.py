@@ -247,7 +247,6 @@ def test_breakdown_groups_every_engine_kernel():
         "_fp8_rows_mm_kernel": "projections (ours)",
         "_store_kv_kernel": "kv cache write",
         "_moe_offsets_kernel": "moe route + align",
-        "_moe_align_one_kernel": "moe route + align",
         "_norm_route_kernel": "add + rmsnorm + router + route",
         "_sum_slots_kernel": "moe experts",
         "_decode_combine_kernel": "attention",

@@ -427,8 +427,6 @@ def _moe_align_launches() -> Iterator[tuple]:
     align = lambda: moe_align.moe_align(ids, 257, 64)
     for kernel in (moe_align._moe_hist_kernel, moe_align._moe_offsets_kernel, moe_align._moe_scatter_kernel):
         yield "T=2048 E=257 BLOCK_M=64", kernel, align
-    ids = torch.randint(0, 257, (32, 9), dtype=torch.int32)  # conc32's decode step: one program
-    yield "T=32 E=257 BLOCK_M=16", moe_align._moe_align_one_kernel, lambda: moe_align.moe_align(ids, 257, 16)
 
 
 def _vit_launches() -> Iterator[tuple]:
