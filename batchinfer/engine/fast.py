@@ -26,9 +26,10 @@ either interchangeably.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -298,19 +299,18 @@ class FastGenerator:
         return _Step(rows, self._host_tokens[i], self._arrived[i])
 
     def _sample(
-        self,
-        logits: torch.Tensor,
-        rows: Sequence[_Seq],
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        seeds: torch.Tensor,
-        steps: torch.Tensor,
+        self, logits: torch.Tensor, rows: Sequence[_Seq], params: Callable[[], tuple[torch.Tensor, ...]]
     ) -> torch.Tensor:
+        """Next tokens of `rows`: greedy rows need no parameters, so `params` (temperature, top_k,
+        top_p, seeds, steps on the device) is called only for a batch with sampled rows."""
         if all(s.params.temperature == 0 for s in rows):
             return logits.argmax(-1)
         filtered = any(s.params.top_k or s.params.top_p < 1 for s in rows)
-        return sample(logits.contiguous(), temperature, top_k, top_p, seeds, steps, filtered=filtered)
+        return sample(logits.contiguous(), *params(), filtered=filtered)
+
+    def _row_params(self, b: int) -> tuple[torch.Tensor, ...]:
+        """The sampling parameters of the decode batch's first `b` rows, as `sample` takes them."""
+        return self._temperature[:b], self._top_k[:b], self._top_p[:b], self._seeds[:b], self._steps[:b]
 
     # ---- prefill ----
 
@@ -401,11 +401,13 @@ class FastGenerator:
             tokens = self._sample(
                 logits[done],
                 group,
-                torch.tensor([x.temperature for x in p], dtype=torch.float32).to(dev),
-                torch.tensor([x.top_k for x in p], dtype=torch.int32).to(dev),
-                torch.tensor([x.top_p for x in p], dtype=torch.float32).to(dev),
-                torch.tensor([x.seed for x in p], dtype=torch.int64).to(dev),
-                torch.zeros(len(group), dtype=torch.int64, device=dev),
+                lambda: (
+                    torch.tensor([x.temperature for x in p], dtype=torch.float32).to(dev),
+                    torch.tensor([x.top_k for x in p], dtype=torch.int32).to(dev),
+                    torch.tensor([x.top_p for x in p], dtype=torch.float32).to(dev),
+                    torch.tensor([x.seed for x in p], dtype=torch.int64).to(dev),
+                    torch.zeros(len(group), dtype=torch.int64, device=dev),
+                ),
             )
             first = dict(zip(done, tokens.tolist(), strict=True))
         return [(s, n, first.get(i)) for i, (s, n) in enumerate(pieces)]
@@ -500,11 +502,7 @@ class FastGenerator:
                 tokens = self._sample(
                     logits,
                     running,
-                    self._temperature[:b],
-                    self._top_k[:b],
-                    self._top_p[:b],
-                    self._seeds[:b],
-                    self._steps[:b],
+                    functools.partial(self._row_params, b),
                 )
                 self._ids[:b].copy_(tokens)
                 self._pos[:b] += 1
