@@ -35,10 +35,12 @@ MoE decode path's down kernel, and at one row the post-mixer add + RMSNorm with 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from batchinfer.kernels.attention import decode_attention, prefill_attention, prefill_attention_cached
@@ -137,15 +139,20 @@ def pack_prompts(
     prompts: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int]
 ) -> tuple[torch.Tensor, ...]:
     """`KernelModel.prefill`'s packed inputs on the host: token ids (int64), positions from each start
-    (int32), each token's slot (int64), cu_seqlens and slots (int32), and the starts as `past` (int32)."""
-    lens = [len(p) for p in prompts]
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
-    spans = zip(starts, lens, strict=True)
-    positions = torch.cat([torch.arange(s, s + n, dtype=torch.int32) for s, n in spans])
-    token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(lens))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    slot_ids, past = (torch.tensor(list(xs), dtype=torch.int32) for xs in (slots, starts))
-    return ids, positions, token_slots, cu, slot_ids, past
+    (int32), each token's slot (int64), cu_seqlens and slots (int32), and the starts as `past` (int32).
+
+    Built in numpy: a graphed prefill's time to first token includes this, and a dozen small torch
+    CPU ops took 0.7-3.7 ms of it (H100 host, session 26) where numpy takes tens of microseconds."""
+    lens = np.array([len(p) for p in prompts], dtype=np.int64)
+    ids = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=int(lens.sum()))
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    first = np.asarray(starts, dtype=np.int64) - cu[:-1]  # position minus packed index, per prompt
+    positions = np.arange(cu[-1], dtype=np.int64) + np.repeat(first, lens)
+    token_slots = np.repeat(np.asarray(slots, dtype=np.int64), lens)
+    packed = (ids, positions.astype(np.int32), token_slots, cu.astype(np.int32))
+    past = (np.asarray(xs, dtype=np.int32).reshape(len(lens)) for xs in (slots, starts))
+    return tuple(torch.from_numpy(x) for x in (*packed, *past))
 
 
 @dataclass(slots=True)
