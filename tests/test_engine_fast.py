@@ -24,7 +24,7 @@ from batchinfer.cli import cli
 from batchinfer.engine import fast
 from batchinfer.engine.api import SamplingParams
 from batchinfer.engine.fast import FastGenerator, padded_prompt, prefill_bucket
-from batchinfer.engine.kernel_model import AttentionWeights, DeltaNetWeights, KernelModel
+from batchinfer.engine.kernel_model import AttentionWeights, DeltaNetWeights, KernelModel, pack_prompts
 from batchinfer.engine.loader import load_engine
 from batchinfer.errors import ConfigError
 from batchinfer.models.generate import generate
@@ -337,6 +337,19 @@ def _assert_slot_state_matches(want, got, slot: int, n: int) -> None:
             if a is not None:
                 mine = (slot, slice(None), slice(0, n)) if name in ("k", "v") else (slot,)
                 assert rel_err(b[mine].float(), a[mine].float()) < 1e-2, (name, n)
+
+
+def test_pack_prompts_lays_out_tokens_positions_and_slots():
+    """`prefill`'s packed inputs: token ids in prompt order, each token's position from its prompt's start,
+    its slot, cu_seqlens, slots and starts, with the dtypes `prefill` takes; an empty prompt (a graphed
+    prefill's filler when the prompt fills its bucket) adds no tokens."""
+    ids, pos, token_slots, cu, slots, past = pack_prompts([[5, 6, 7], [], [8, 9]], [4, 0, 2], [0, 3, 10])
+    assert ids.tolist() == [5, 6, 7, 8, 9] and ids.dtype == torch.int64
+    assert pos.tolist() == [0, 1, 2, 10, 11] and pos.dtype == torch.int32
+    assert token_slots.tolist() == [4, 4, 4, 2, 2] and token_slots.dtype == torch.int64
+    assert cu.tolist() == [0, 3, 3, 5] and cu.dtype == torch.int32
+    assert slots.tolist() == [4, 0, 2] and past.tolist() == [0, 3, 10]
+    assert slots.dtype == past.dtype == torch.int32
 
 
 def test_a_padded_prompt_fills_only_its_own_slot():
