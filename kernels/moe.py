@@ -156,9 +156,13 @@ def _decode_config(numel: int) -> MoEDecodeConfig:
     """H200 sweeps of one Qwen3.6 layer (`_moe_decode` alone, docs/PERF_KERNELS.md). Session 10: one token
     23.8 -> 19.6 us with K in 16-group steps and one program a slot in down; 8 tokens 94.6 -> 75.9 us.
     Session 11 (the PTX decode, `tune_kernels --kinds moe_decode`): one token 18.9 us with 32-row gate_up
-    tiles (16 rows: 19.5); 8 tokens 81.4 us with 64-row 4-warp gate_up tiles (32 rows: 89.3)."""
+    tiles (16 rows: 19.5); 8 tokens 81.4 us with 64-row 4-warp gate_up tiles (32 rows: 89.3).
+    Session 26 (H100, two calls): one token 22.2-22.7 -> 20.6-20.7 us with 8 K splits of 8 groups (ncu:
+    the 4-split gate_up ran 8 warps an SM at 21% of DRAM bandwidth); 2 tokens keep 4 (31.1 against 31.7)."""
     if interpreting():
         return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
+    if numel <= 9:  # one token: 8 K splits of 8-group steps, 1,152 gate_up programs (H100, session 26)
+        return MoEDecodeConfig((32, 8, 2, 8), (32, 32, 2, 9))
     if numel <= 18:  # up to 2 tokens of 9 slots
         return MoEDecodeConfig((32, 16, 2, 4), (32, 32, 2, 9))
     if numel <= 72:  # up to 8 tokens

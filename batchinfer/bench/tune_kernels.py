@@ -128,8 +128,8 @@ MOE_TILES = [
 MOE_DECODE_TOKENS = [1, 8, 16, 32, 64]
 # (BLOCK_N, BLOCK_G, num_warps, SPLIT) of the decode path's kernels; the first of each is the start.
 # Session 10's sweep (docs/PERF.md) found (16, 16, 2, 4) / (32, 32, 2, 9) at 1 token and (32, 16, 2, 4) /
-# (64, 16, 2, 3) at 8, still 0.8 TB/s at one token; not yet tried: one program a row block over the whole
-# K (SPLIT 1, wide BLOCK_G, few rows), which drops the split reduction's workspace round trip.
+# (64, 16, 2, 3) at 8, still 0.8 TB/s at one token. Session 26 (H100, ncu): the one-token gate_up ran 8 warps
+# an SM at 21% of DRAM bandwidth; more K splits of 8-group steps (more programs) gave 8%.
 MOE_DECODE_GATE_UP = [
     (16, 16, 2, 4),
     (32, 16, 2, 4),
@@ -146,6 +146,9 @@ MOE_DECODE_GATE_UP = [
     (64, 16, 2, 8),
     (64, 16, 4, 4),
     (32, 32, 4, 4),
+    (32, 8, 2, 8),  # session 26 (H100): the one-token table entry, 8% under (32, 16, 2, 4)
+    (64, 8, 4, 8),
+    (16, 8, 2, 16),
 ]
 MOE_DECODE_DOWN = [
     (32, 32, 2, 9),
