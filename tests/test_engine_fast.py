@@ -350,6 +350,8 @@ def test_pack_prompts_lays_out_tokens_positions_and_slots():
     assert cu.tolist() == [0, 3, 3, 5] and cu.dtype == torch.int32
     assert slots.tolist() == [4, 0, 2] and past.tolist() == [0, 3, 10]
     assert slots.dtype == past.dtype == torch.int32
+    with pytest.raises(ValueError, match="2 prompts but 2 slots and 1 starts"):
+        pack_prompts([[1], [2]], [0, 1], [0])  # numpy would broadcast the one start
 
 
 def test_a_padded_prompt_fills_only_its_own_slot():
