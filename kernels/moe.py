@@ -355,14 +355,11 @@ def _x_at(x_row, groups, P: tl.constexpr, G, mask_g, X_PMAJOR: tl.constexpr, PAI
 
 
 @triton.jit
-def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+def _group_dot(w, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                PAIRED: tl.constexpr, INTERPRET: tl.constexpr):
-    """Per (row, int64 of 16 codes): two sums of code * x, ([BN, BG], [BN, BG]) fp32 (times 2^-14): over
-    its even and its odd codes, or in the paired layout over the codes of scale groups A and B.
-
-    `w_ptrs` [BN, BG] point at 16 codes each as one int64 (codes 0-7 in the low word): one 2-D load
-    contiguous along the groups, which Triton lays out with the groups across the threads."""
-    w = tl.load(w_ptrs, mask=mask, other=0)
+    """Per (row, int64 of 16 codes) of `w` [BN, BG] (codes 0-7 in the low word): two sums of code * x,
+    ([BN, BG], [BN, BG]) fp32 (times 2^-14): over its even and its odd codes, or in the paired layout over
+    the codes of scale groups A and B."""
     if PAIRED:
         a0, b0 = paired_dot8(w.to(tl.uint32), x0, x1, x2, x3, x4, x5, x6, x7, INTERPRET)
         a1, b1 = paired_dot8((w >> 32).to(tl.uint32), x8, x9, x10, x11, x12, x13, x14, x15, INTERPRET)
@@ -371,14 +368,22 @@ def _group_dot(w_ptrs, mask, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x
 
 
 @triton.jit
-def _scaled(even, odd, s_ptrs, groups, mask, PAIRED: tl.constexpr):
-    """The two sums of `_group_dot` times their block scales (times 2^-22): one scale per int64 (its
-    group), or in the paired layout the pair's two (A, B)."""
+def _block_scales(s_ptrs, groups, mask, PAIRED: tl.constexpr):
+    """The block scales of `_apply_scales` as raw e4m3 bytes: one per int64 (its group), or in the
+    paired layout the pair's two (A, B)."""
     if PAIRED:
         first = s_ptrs - (groups % 2)[None, :]
-        sa = e4m3_to_f32(tl.load(first, mask=mask, other=0))
-        return even * sa + odd * e4m3_to_f32(tl.load(first + 1, mask=mask, other=0))
-    return (even + odd) * e4m3_to_f32(tl.load(s_ptrs, mask=mask, other=0))
+        return tl.load(first, mask=mask, other=0), tl.load(first + 1, mask=mask, other=0)
+    s = tl.load(s_ptrs, mask=mask, other=0)
+    return s, s
+
+
+@triton.jit
+def _apply_scales(even, odd, sa, sb, PAIRED: tl.constexpr):
+    """The two sums of `_group_dot` times their block scales (times 2^-22)."""
+    if PAIRED:
+        return even * e4m3_to_f32(sa) + odd * e4m3_to_f32(sb)
+    return (even + odd) * e4m3_to_f32(sa)
 
 
 @triton.jit
@@ -386,10 +391,28 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk,
                BLOCK_G: tl.constexpr, X_PMAJOR: tl.constexpr, TWO: tl.constexpr, ROW2, PAIRED: tl.constexpr,
                INTERPRET: tl.constexpr):
     """One K step of `_group_dot` times the block scales for rows `rows` (and, with TWO, rows + ROW2
-    of the same weight, sharing the x loads): returns ([BN, BG], [BN, BG]) fp32 times 2^-22."""
+    of the same weight, sharing the x loads): returns ([BN, BG], [BN, BG]) fp32 times 2^-22.
+
+    Every load of the step is issued before the first dot, codes first: in source order after the dots,
+    the scale loads went out only after the decode (sm_90 SASS), a second wait on DRAM each step.
+    `w` [BN, BG]: 16 codes each as one int64, one 2-D load contiguous along the groups, which Triton lays
+    out with the groups across the threads."""
     groups = g0 + tl.arange(0, BLOCK_G)
     mask_g = groups < G
     mask = mask_n[:, None] & mask_g[None, :]
+    offs_w = rows[:, None] * stride_wn + groups[None, :]
+    w = tl.load(w_base + offs_w, mask=mask, other=0)
+    w2 = w
+    if TWO:
+        w2 = tl.load(w_base + ROW2 * stride_wn + offs_w, mask=mask, other=0)
+    if PAIRED:  # `moe_tc.pair_scales`: a row's 64-code blocks stride_sk apart, rows 4 bytes apart
+        offs_s = scale_offset(rows[:, None], groups[None, :], stride_sk)
+    else:
+        offs_s = rows[:, None] * stride_sn + groups[None, :]
+    sa, sb = _block_scales(s_base + offs_s, groups, mask, PAIRED)
+    sa2, sb2 = sa, sb
+    if TWO:
+        sa2, sb2 = _block_scales(s_base + ROW2 * stride_sn + offs_s, groups, mask, PAIRED)  # stride_sn: 4
     x0 = _x_at(x_row, groups, 0, G, mask_g, X_PMAJOR, PAIRED)
     x1 = _x_at(x_row, groups, 1, G, mask_g, X_PMAJOR, PAIRED)
     x2 = _x_at(x_row, groups, 2, G, mask_g, X_PMAJOR, PAIRED)
@@ -406,21 +429,14 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk,
     x13 = _x_at(x_row, groups, 13, G, mask_g, X_PMAJOR, PAIRED)
     x14 = _x_at(x_row, groups, 14, G, mask_g, X_PMAJOR, PAIRED)
     x15 = _x_at(x_row, groups, 15, G, mask_g, X_PMAJOR, PAIRED)
-    offs_w = rows[:, None] * stride_wn + groups[None, :]
-    if PAIRED:  # `moe_tc.pair_scales`: a row's 64-code blocks stride_sk apart, rows 4 bytes apart
-        offs_s = scale_offset(rows[:, None], groups[None, :], stride_sk)
-    else:
-        offs_s = rows[:, None] * stride_sn + groups[None, :]
-    even, odd = _group_dot(w_base + offs_w, mask,  #
-                           x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  #
+    even, odd = _group_dot(w, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  #
                            PAIRED, INTERPRET)
-    p = _scaled(even, odd, s_base + offs_s, groups, mask, PAIRED)
+    p = _apply_scales(even, odd, sa, sb, PAIRED)
     q = p
     if TWO:
-        even, odd = _group_dot(w_base + ROW2 * stride_wn + offs_w, mask,  #
-                               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  #
+        even, odd = _group_dot(w2, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  #
                                PAIRED, INTERPRET)
-        q = _scaled(even, odd, s_base + ROW2 * stride_sn + offs_s, groups, mask, PAIRED)  # stride_sn: 4
+        q = _apply_scales(even, odd, sa2, sb2, PAIRED)
     return p, q
 
 
@@ -463,6 +479,8 @@ def _moe_decode_gate_up_kernel(
     x_row = x_ptr + (entry // A_DIV).to(tl.int64) * stride_xm
     w_base = w_ptr + e * stride_we
     s_base = s_ptr + e * stride_se
+    gate_scale = tl.load(ts_ptr + e * 2) * 4194304.0  # the tensor scales, with the first step's loads
+    up_scale = tl.load(ts_ptr + e * 2 + 1) * 4194304.0
     per_split = tl.cdiv(tl.cdiv(G, SPLIT), BLOCK_G) * BLOCK_G  # whole K steps, so splits never overlap
     acc_g = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
@@ -479,8 +497,8 @@ def _moe_decode_gate_up_kernel(
                                      NUMEL * 2 * N, mask_n[:, None], SPLIT)
     if last:
         gate, up = tl.split(gate_up)
-        gate = gate * (tl.load(ts_ptr + e * 2) * 4194304.0)
-        up = up * (tl.load(ts_ptr + e * 2 + 1) * 4194304.0)
+        gate = gate * gate_scale
+        up = up * up_scale
         act = bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
         if PAIRED:  # column n = 32 q + 16 grp + 8 h + 2 t + c is slot j = 4 grp + 2 h + c of word t of
             # block q: code P = 8 (t % 2) + j of int64 g = 2 q + t // 2 (`_x_at`)
@@ -546,10 +564,11 @@ def _moe_decode_down_kernel(
         entry = t * A + i // steps
         e = tl.load(ids_ptr + entry).to(tl.int64)
         x_row = x_ptr + entry.to(tl.int64) * stride_xm
+        scale = tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 4194304.0  # issued with the step's loads
         p, _ = _gemv_step(x_row, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, mask_n,  #
                           (i % steps) * BLOCK_G, G, stride_wn, stride_sk, stride_sn, BLOCK_G, True, False,  #
                           0, PAIRED, INTERPRET)
-        out += tl.sum(p, axis=1) * (tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 4194304.0)
+        out += tl.sum(p, axis=1) * scale
     last = True
     if SPLIT > 1:
         ws = ws_ptr + t.to(tl.int64) * N + rows

@@ -149,6 +149,10 @@ MOE_DECODE_GATE_UP = [
     (32, 8, 2, 8),  # session 26 (H100): the one-token table entry, 8% under (32, 16, 2, 4)
     (64, 8, 4, 8),
     (16, 8, 2, 16),
+    (16, 8, 2, 8),  # 72 registers on sm_90 since the step's loads all go first (128 at (32, 8, 2, 8))
+    (32, 8, 4, 8),
+    (16, 16, 2, 8),
+    (16, 16, 4, 8),
 ]
 MOE_DECODE_DOWN = [
     (32, 32, 2, 9),
