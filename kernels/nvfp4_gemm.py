@@ -405,6 +405,7 @@ def _nvfp4_gemv_kernel(
     g_per_split = tl.cdiv(tl.cdiv(G, SPLIT_K), BLOCK_G) * BLOCK_G
     g_start = pid_k * g_per_split
     g_end = tl.minimum(G, g_start + g_per_split)
+    ts = tl.load(ts_ptr + rows * stride_ts, mask=mask_n, other=0.0)  # with the first step's loads
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     for g0 in tl.range(g_start, g_end, BLOCK_G, num_stages=STAGES):
         groups = g0 + tl.arange(0, BLOCK_G)
@@ -412,15 +413,15 @@ def _nvfp4_gemv_kernel(
             mask_g = groups >= 0
         else:
             mask_g = groups < g_end
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x16(x_ptr, groups, mask_g)
         mask = mask_n[:, None] & mask_g[None, :]
+        # codes, scales, then x: every load of the step before its dots (scales loaded after the dots went
+        # out only after the decode in sm_90 SASS, a second wait on DRAM each step; as `moe._gemv_step`)
         w = tl.load(w_ptr + rows[:, None] * stride_wn + groups[None, :] * stride_wg, mask=mask, other=0)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :] * stride_sg, mask=mask, other=0)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x16(x_ptr, groups, mask_g)
         even, odd = group_dot16(w, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                 INTERPRET)
-        offs_s = rows[:, None] * stride_sn + groups[None, :] * stride_sg
-        scale = e4m3_to_f32(tl.load(s_ptr + offs_s, mask=mask, other=0))
-        acc += (even + odd) * scale
-    ts = tl.load(ts_ptr + rows * stride_ts, mask=mask_n, other=0.0)
+        acc += (even + odd) * e4m3_to_f32(s)
     part = tl.sum(acc, axis=1) * (ts * 4194304.0)  # 2^22: the codes' 2^-14, the scales' 2^-8
     store_gemv_split(part, out_ptr, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K)
 
