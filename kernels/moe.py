@@ -158,7 +158,9 @@ def _decode_config(numel: int) -> MoEDecodeConfig:
     Session 11 (the PTX decode, `tune_kernels --kinds moe_decode`): one token 18.9 us with 32-row gate_up
     tiles (16 rows: 19.5); 8 tokens 81.4 us with 64-row 4-warp gate_up tiles (32 rows: 89.3).
     Session 26 (H100, two calls): one token 22.2-22.7 -> 20.6-20.7 us with 8 K splits of 8 groups (ncu:
-    the 4-split gate_up ran 8 warps an SM at 21% of DRAM bandwidth); 2 tokens keep 4 (31.1 against 31.7)."""
+    the 4-split gate_up ran 8 warps an SM at 21% of DRAM bandwidth); 2 tokens keep 4 (31.1 against 31.7).
+    Session 27 (H100, a K step's loads all issued before its dots): one token 20.8 -> 19.5 us on this entry,
+    the best tile 19.2 (within noise of it); 2 tokens 31.1 -> 29.0; 8 tokens unchanged (80.2)."""
     if interpreting():
         return MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
     if numel <= 9:  # one token: 8 K splits of 8-group steps, 1,152 gate_up programs (H100, session 26)

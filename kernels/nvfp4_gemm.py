@@ -54,6 +54,10 @@ class GemmConfig:
     even_odd: bool = False  # multiply even and odd K columns separately instead of interleaving
 
 
+# Rows from which the one-row GEMV is an lm_head (151,936 and 248,320 rows; projections are <= 16,384).
+GEMV_WIDE_ROWS = 65536
+
+
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """One-row launch: BLOCK_N rows by BLOCK_G 16-code groups a step; SPLIT_K = 0: from the CTA count;
@@ -71,14 +75,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gemv_config(group_major: bool = True) -> GemvConfig:
-    """The one-row GEMV's launch. Group-major rows (`NVFP4Rows`, the engine's): H200, session 11
-    (`tune_kernels --kinds nvfp4_gemv`): best or within 2% of it on q_proj, lm_head of both models (114.6
-    us at Qwen3.6's, 2.50 TB/s; cuBLAS on the bf16 copy 248.0) and the 16384-row slice; loads in the loop
-    beat the cp.async pipeline at these sizes. The checkpoint layout keeps the untuned first guess."""
+def gemv_config(group_major: bool = True, n: int = 0) -> GemvConfig:
+    """The one-row GEMV's launch for N rows. Group-major rows (`NVFP4Rows`, the engine's): H200, session 11
+    (`tune_kernels --kinds nvfp4_gemv`): (64, 16, 4) best or within 2% of it on q_proj, lm_head of both models
+    (114.6 us at Qwen3.6's, 2.50 TB/s; cuBLAS on the bf16 copy 248.0) and the 16384-row slice; loads in the
+    loop beat the cp.async pipeline at these sizes. Since session 27 a step's loads all go first: on an H100
+    the projections (below GEMV_WIDE_ROWS) then run fastest on 8 warps (N 8,192: 8.6 against 11.5 us before,
+    16,384: 12.7 against 17.7); lm_head keeps 4. The checkpoint layout keeps the untuned first guess."""
     if interpreting():
         return GemvConfig(16, 2, 4)
-    return GemvConfig(64, 16, 4, 0, 1) if group_major else GemvConfig(64, 16, 4)
+    if not group_major:
+        return GemvConfig(64, 16, 4)
+    return GemvConfig(64, 16, 4, 0, 3) if n >= GEMV_WIDE_ROWS else GemvConfig(64, 16, 8, 0, 1)
 
 
 def _nvfp4_gemm_configs(m: int, n: int) -> GemmConfig:
@@ -508,7 +516,7 @@ def _launch_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ts:
                  group_major: bool, out: torch.Tensor, config: GemvConfig | None) -> None:
     """`_nvfp4_gemv_kernel` on int64 `codes` and uint8 `scales`, `[N, G]` or (group_major) `[G, N]`; `ts`
     fp32 of one element or one a row."""
-    cfg = config or gemv_config(group_major)
+    cfg = config or gemv_config(group_major, n)
     tiles = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k or choose_split_k(tiles, 16 * g, 16 * cfg.block_g, num_sms(x.device))
     g_per_split = triton.cdiv(triton.cdiv(g, split), cfg.block_g) * cfg.block_g

@@ -385,7 +385,7 @@ def main() -> None:
         gemm, table = (fp8_gemm, _fp8_gemm_configs) if fp8 else (nvfp4_gemm, _nvfp4_gemm_configs)
         cands, shapes, stack = None, SHAPES, None
         if kind == "nvfp4_gemv":  # the engine's group-major rows
-            table, cands, shapes = (lambda m, n: gemv_config()), GEMV_CANDIDATES, GEMV_SHAPES
+            table, cands, shapes = (lambda m, n: gemv_config(True, n)), GEMV_CANDIDATES, GEMV_SHAPES
             gemm, stack = (lambda x, w, config: nvfp4_gemv(x, w, config=config)), stack_nvfp4
         if kind == "fp8_gemv":  # the engine's stacked rows
             table, cands, shapes = (lambda m, n: fp8_gemv_config()), FP8_GEMV_CANDIDATES, FP8_GEMV_SHAPES
