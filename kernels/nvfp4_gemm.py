@@ -76,12 +76,12 @@ def interpreting() -> bool:
 
 
 def gemv_config(group_major: bool = True, n: int = 0) -> GemvConfig:
-    """The one-row GEMV's launch for N rows. Group-major rows (`NVFP4Rows`, the engine's): H200, session 11
-    (`tune_kernels --kinds nvfp4_gemv`): (64, 16, 4) best or within 2% of it on q_proj, lm_head of both models
-    (114.6 us at Qwen3.6's, 2.50 TB/s; cuBLAS on the bf16 copy 248.0) and the 16384-row slice; loads in the
-    loop beat the cp.async pipeline at these sizes. Since session 27 a step's loads all go first: on an H100
-    the projections (below GEMV_WIDE_ROWS) then run fastest on 8 warps (N 8,192: 8.6 against 11.5 us before,
-    16,384: 12.7 against 17.7); lm_head keeps 4. The checkpoint layout keeps the untuned first guess."""
+    """The one-row GEMV's launch for N rows. Group-major rows (`NVFP4Rows`, the engine's): session 11 (H200,
+    `tune_kernels --kinds nvfp4_gemv`, the scale loads then after the dots) chose (64, 16, 4) with loads in
+    the loop for every shape. Session 27 (H100, a step's loads all first, docs/PERF.md): projections (below
+    GEMV_WIDE_ROWS) on 8 warps (N 8,192: 8.8 against 10.9 us on 4; 16,384: 13.0 against 16.7), lm_head on
+    the cp.async pipeline (248,320 rows: 116.6 against 124.3). The checkpoint layout keeps the untuned
+    first guess."""
     if interpreting():
         return GemvConfig(16, 2, 4)
     if not group_major:
