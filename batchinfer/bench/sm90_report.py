@@ -9,7 +9,8 @@ divisibility hint). `cuobjdump` from Triton's own package reads the cubin, and i
 whether it serialized the kernel's wgmmas (info C7515: each waits for the one before, as `moe_tc`'s did
 until session 12, because a zero-trip loop defined the accumulators outside the MMA pipeline). Not a
 timing: it answers "does it compile for Hopper, does it spill, does it use wgmma / cp.async, are its
-wgmmas pipelined" before a GPU is available.
+wgmmas pipelined, does a loop wait on memory twice an iteration (`late LDG`)" before a GPU is
+available.
 The PDL column checks that a kernel launched with programmatic dependent launch (`kernels/pdl.py`)
 waits for the kernel before it ahead of any global memory access.
 Run `python -m batchinfer.bench.sm90_report` (with TRITON_INTERPRET unset); exit status 1 when a
@@ -135,6 +136,24 @@ def loop_loads(sass: str) -> int:
     )
 
 
+def late_loop_loads(sass: str) -> int:
+    """Synchronous global loads (`LDG`) in a loop body after its first floating-point multiply-add or
+    multiply: each is a second wait on memory an iteration, issued only once the math before it has its
+    operands. The one-row NVFP4 kernels read their block scales after decoding the codes this way until
+    session 27 (the scale loads followed the dots in source order; ptxas kept that order)."""
+    code = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    late = set()
+    for addr, ins in code:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
+        if not (m and int(m.group(1), 16) < addr):
+            continue
+        body = [(a, i) for a, i in code if int(m.group(1), 16) <= a <= addr]
+        first_math = next((a for a, i in body if re.search(r"\b(FFMA|FMUL)\b", i)), None)
+        if first_math is not None:
+            late |= {a for a, i in body if a > first_math and re.search(r"\bLDG\b", i)}
+    return len(late)
+
+
 def wgmma_serialized(ptx: str) -> str:
     """ptxas's reason for serializing the kernel's wgmmas (info C7515), or "" when it did not."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,6 +215,7 @@ def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dic
         "smem": compiled.metadata.shared,
         **{op: len(re.findall(rf"\b{op}\b", sass)) for op in _OPS},
         "loop LDG": loop_loads(sass),
+        "late LDG": late_loop_loads(sass),
         "wgmma serialized": wgmma_serialized(compiled.asm["ptx"]) if "HGMMA" in sass else "",
         "CTAs/SM": ctas_per_sm(regs, options.get("num_warps", 4), compiled.metadata.shared),
         "PDL": pdl_order(sass, bool(options.get("launch_pdl"))),
@@ -466,18 +486,17 @@ def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     yield from _vit_launches()
 
 
+_CHECKS = ("loop LDG", "late LDG", "wgmma serialized", "CTAs/SM", "PDL")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-spill", type=int, default=128, help="largest tolerated spill (stack) in bytes")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the report compiles real sm_90 code")
-    print(
-        "| kernel | case | config | regs | spill B | smem B | "
-        + " | ".join(_OPS)
-        + " | loop LDG | wgmma serialized | CTAs/SM | PDL |"
-    )
-    print("|---" * (10 + len(_OPS)) + "|")
+    print("| kernel | case | config | regs | spill B | smem B | " + " | ".join((*_OPS, *_CHECKS)) + " |")
+    print("|---" * (6 + len(_OPS) + len(_CHECKS)) + "|")
     failed = False
     for case, kernel, launch in launches():
         try:
@@ -489,7 +508,7 @@ def main() -> None:
         failed |= r["spill_bytes"] > args.max_spill or r["PDL"] in ("LATE", "NO WAIT")
         print(
             f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
-            + " | ".join(str(r[op]) for op in (*_OPS, "loop LDG", "wgmma serialized", "CTAs/SM", "PDL"))
+            + " | ".join(str(r[op]) for op in (*_OPS, *_CHECKS))
             + " |"
         )
     sys.exit(1 if failed else 0)
