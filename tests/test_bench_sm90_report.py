@@ -34,9 +34,9 @@ def test_all_kernels_compile_for_sm90_without_spills():
     for name in ("_moe_tc_kernel", "_fp8_gemv_kernel", "_fp8_rows_mm_kernel"):  # no synchronous loop loads
         assert set(column(name, "loop LDG")) == {"0"}, name
     gemv = [r for (name, _), r in by_kernel.items() if name in ("_fp8_gemv_kernel", "_nvfp4_gemv_kernel")]
-    assert len(gemv) == 7  # the weight stream is cp.async (split-K too), except on group-major NVFP4 rows,
-    assert all((int(r["LDGSTS"]) > 0) != ("group-major" in r["case"]) for r in gemv)  # where loads won
-    # the one-row NVFP4 kernels issue a step's scale loads with its codes, not after decoding them (19-37
+    assert len(gemv) == 7  # the weight stream is cp.async (split-K too), except on a projection's group-major
+    assert all((int(r["LDGSTS"]) > 0) != ("group-major" in r["case"]) for r in gemv)  # NVFP4 rows (loads won)
+    # the one-row NVFP4 kernels issue a step's scale loads with its codes, not after decoding them (8-37
     # such loads a kernel until session 27); down's per-slot tensor and routing scales (L2) may trail
     assert column("_moe_decode_gate_up_kernel", "late LDG") == ["0"]
     assert column("_nvfp4_gemv_kernel", "late LDG", "N=8192 K=2048 M=1 group-major") == ["0"]
