@@ -75,7 +75,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gemv_config(group_major: bool = True, n: int = 0) -> GemvConfig:
+def gemv_config(group_major: bool, n: int) -> GemvConfig:
     """The one-row GEMV's launch for N rows. Group-major rows (`NVFP4Rows`, the engine's): session 11 (H200,
     `tune_kernels --kinds nvfp4_gemv`, the scale loads then after the dots) chose (64, 16, 4) with loads in
     the loop for every shape. Session 27 (H100, a step's loads all first, docs/PERF.md): projections (below

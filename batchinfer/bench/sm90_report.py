@@ -121,16 +121,23 @@ def _source(
     return ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs), consts, options
 
 
-def loop_loads(sass: str) -> int:
-    """Synchronous global loads (`LDG`; cp.async is `LDGSTS`) inside loop bodies, the address ranges that
-    backward branches close: loads Triton's pipeliner left in a loop, each a wait on memory every
-    iteration (`moe_tc`'s 2-byte scale loads were one, session 7)."""
+def _loops(sass: str) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
+    """The SASS as (address, instruction) pairs, and the loop bodies: the address ranges that backward
+    branches close."""
     code = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for addr, ins in code:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
         if m and int(m.group(1), 16) < addr:
             loops.append((int(m.group(1), 16), addr))
+    return code, loops
+
+
+def loop_loads(sass: str) -> int:
+    """Synchronous global loads (`LDG`; cp.async is `LDGSTS`) inside loop bodies: loads Triton's pipeliner
+    left in a loop, each a wait on memory every iteration (`moe_tc`'s 2-byte scale loads were one,
+    session 7)."""
+    code, loops = _loops(sass)
     return sum(
         1 for addr, ins in code if re.search(r"\bLDG\b", ins) and any(lo <= addr <= hi for lo, hi in loops)
     )
@@ -141,13 +148,10 @@ def late_loop_loads(sass: str) -> int:
     multiply: each is a second wait on memory an iteration, issued only once the math before it has its
     operands. The one-row NVFP4 kernels read their block scales after decoding the codes this way until
     session 27 (the scale loads followed the dots in source order; ptxas kept that order)."""
-    code = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    code, loops = _loops(sass)
     late = set()
-    for addr, ins in code:
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
-        if not (m and int(m.group(1), 16) < addr):
-            continue
-        body = [(a, i) for a, i in code if int(m.group(1), 16) <= a <= addr]
+    for lo, hi in loops:
+        body = [(a, i) for a, i in code if lo <= a <= hi]
         first_math = next((a for a, i in body if re.search(r"\b(FFMA|FMUL)\b", i)), None)
         if first_math is not None:
             late |= {a for a, i in body if a > first_math and re.search(r"\bLDG\b", i)}
