@@ -2,7 +2,10 @@
 
 Flow (no host sync; CUDA-graph safe): `logits = h @ router^T` (cuBLAS, bf16) -> `moe_route` (one
 program per token: fp32 softmax, top-k, renormalise; the shared expert rides along as slot A with
-weight sigmoid(shared_gate logit)) -> one of four paths (by entry count and layout, `_moe_configs`):
+weight sigmoid(shared_gate logit)) -> one of five paths (by entry count and layout, `_moe_configs`):
+- a few tokens of paired NVFP4 experts (the engine's, at most DIRECT_MAX_ENTRIES entries): the direct path
+  (`moe_direct`), the tensor cores on one tile an entry with no alignment, `moe_tc`'s decode, and this
+  module's fused combine and add + RMSNorm in down;
 - the decode path (NVFP4 experts, at most DECODE_MAX_ENTRIES entries, and for paired experts at most
   DECODE_MAX_PER_EXPERT an expert, where tensor-core tiles would be mostly padding): no alignment;
   gate_up one program per (entry, column tile, K split), down one per (token, column tile, slot split)
@@ -37,6 +40,7 @@ import triton
 import triton.language as tl
 from batchinfer.kernels import pdl
 from batchinfer.kernels.moe_align import moe_align
+from batchinfer.kernels.moe_direct import MoEDirectConfig, direct_config, moe_experts_direct
 from batchinfer.kernels.moe_grouped_mm import moe_experts_grouped_mm
 from batchinfer.kernels.moe_tc import MoETCConfig, moe_experts_tc, paired_dot8, scale_offset, slot_k
 from batchinfer.kernels.moe_weights import MoEWeights
@@ -48,8 +52,15 @@ from batchinfer.kernels.nvfp4_gemm import (
     group_dot16,
     interpreting,
     split_k_locks,
+    split_total,
 )
-from batchinfer.kernels.small_ops import _row_configs, _to, add_rmsnorm, sum_slots
+from batchinfer.kernels.small_ops import (
+    FusedNorm,
+    _row_configs,
+    add_rmsnorm,
+    norm_row_when_complete,
+    sum_slots,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +97,12 @@ class MoEDecodeConfig:
 # at 0.42-0.5 on both models (`moe_tc` at 21b74a1, docs/PERF_KERNELS.md).
 DECODE_MAX_ENTRIES = 288
 DECODE_MAX_PER_EXPERT = 0.35
+# Entries up to which paired experts take the direct path (`moe_direct`: the tensor cores, one tile an
+# entry) before the decode path: 4 tokens of 9 slots. H100, session 28 (one layer, docs/PERF.md): at 1, 2
+# and 4 tokens 16%, 17% and 25% under the decode path on Qwen3.6, 26%, 25% and 32% on Qwen3-30B; at 8
+# tokens (72 entries) `moe_tc` with its alignment was already faster than either (not yet measured
+# against the direct path there).
+DIRECT_MAX_ENTRIES = 36
 # Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill),
 # against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) entries an expert.
 # H200, session 9 (the decode to bf16 at 2.6 TB/s, docs/PERF_KERNELS.md): `moe_tc` at BLOCK_M 128 wins at
@@ -116,18 +133,20 @@ def tc_config(block_m: int) -> MoETCConfig:
     return MoETCConfig(block_m, *TC_TILES[block_m])
 
 
-MoEPath = MoEConfig | MoEDecodeConfig | MoEGroupedMMConfig | MoETCConfig
+MoEPath = MoEConfig | MoEDecodeConfig | MoEDirectConfig | MoEGroupedMMConfig | MoETCConfig
 
 
 def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool = False) -> MoEPath:
     """By entries and average entries per expert, from `tune_kernels` on the H200 at both models' shapes
-    (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the decode path up to
-    DECODE_MAX_PER_EXPERT entries an expert, `moe_tc` up to TC_GROUPED_MM_MIN_PER_EXPERT, then
-    grouped_mm. Standard layout: the decode path, the fused grouped GEMMs,
+    (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the direct path up to DIRECT_MAX_ENTRIES
+    entries, the decode path up to DECODE_MAX_PER_EXPERT entries an expert, `moe_tc` up to
+    TC_GROUPED_MM_MIN_PER_EXPERT, then grouped_mm. Standard layout: the decode path, the fused grouped GEMMs,
     grouped_mm. The interpreter (CPU tests) keeps to wide tiles and never picks grouped_mm unless a test
     asks for it."""
     avg = numel / experts
     if paired:
+        if numel <= DIRECT_MAX_ENTRIES:
+            return direct_config(numel)
         if numel <= DECODE_MAX_ENTRIES and avg <= DECODE_MAX_PER_EXPERT:
             return _decode_config(numel)
         if interpreting():
@@ -443,22 +462,6 @@ def _gemv_step(x_row, w_base, s_base, rows, mask_n, g0, G, stride_wn, stride_sk,
 
 
 @triton.jit
-def _split_total(part, ws_ptrs, lock_ptr, pid_s, stride_s, mask, SPLIT: tl.constexpr):
-    """Serial split reduction (as in `nvfp4_gemm`): publish this split's fp32 partial; the program of
-    the split that arrives last gets (sum over the splits in split order, True), the others (0, False)."""
-    tl.store(ws_ptrs + pid_s * stride_s, part, mask=mask)
-    tl.debug_barrier()
-    done = tl.atomic_add(lock_ptr, 1, sem="acq_rel")
-    last = done == SPLIT - 1
-    total = tl.zeros_like(part)
-    if last:
-        for i in range(SPLIT):
-            total += tl.load(ws_ptrs + i * stride_s, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(lock_ptr, 0)
-    return total, last
-
-
-@triton.jit
 def _moe_decode_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
     NUMEL, N, G, A_DIV,  #
@@ -495,7 +498,7 @@ def _moe_decode_gate_up_kernel(
     last = True
     if SPLIT > 1:
         ws = ws_ptr + entry.to(tl.int64) * 2 * N + rows[:, None] + (tl.arange(0, 2) * N)[None, :]
-        gate_up, last = _split_total(gate_up, ws, lock_ptr + entry * tl.num_programs(1) + pid_n, pid_s,
+        gate_up, last = split_total(gate_up, ws, lock_ptr + entry * tl.num_programs(1) + pid_n, pid_s,
                                      NUMEL * 2 * N, mask_n[:, None], SPLIT)
     if last:
         gate, up = tl.split(gate_up)
@@ -514,26 +517,6 @@ def _moe_decode_gate_up_kernel(
 
 
 @triton.jit
-def _add_rmsnorm_row(x_row, res_row, w_ptr, h_row, res_out_row, D, eps,  #
-                     ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-    """`small_ops._add_rmsnorm_kernel` on one row (a bf16 x, an fp32 residual kept in fp32), the same ops in
-    the same order, so the same roundings; x is read from L2 (`.cg`): other programs wrote it."""
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < D
-    x = tl.load(x_row + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    r = tl.load(res_row + offs, mask=mask, other=0.0)
-    x = x.to(tl.float32) + r.to(tl.float32)
-    x = _to(x, res_out_row.dtype.element_ty, INTERPRET)
-    tl.store(res_out_row + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if ONE_PLUS:
-        w = w + 1.0
-    tl.store(h_row + offs, _to(xf * rstd * w, h_row.dtype.element_ty, INTERPRET), mask=mask)
-
-
-@triton.jit
 def _moe_decode_down_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr, ws_ptr, lock_ptr,  #
     res_ptr, norm_w_ptr, h_ptr, res_out_ptr,  #
@@ -549,9 +532,9 @@ def _moe_decode_down_kernel(
     SPLIT ranges of slots), x rows K-group-major; the top-k combine and the routing weights are fused
     here, summed in fp32 and rounded once.
 
-    NORM: then the residual add + RMSNorm of the token's row (`_add_rmsnorm_row`, into h and res_out) by
-    the program that completes its last tile: each program that completes a tile counts it on the token's
-    counter (lock_ptr[T * tiles + t], past the split counters [T * tiles]) and the last resets it."""
+    NORM: then the residual add + RMSNorm of the token's row into h and res_out by the program that
+    completes its last tile (`small_ops.norm_row_when_complete`: each program that completes a tile counts
+    it on the token's counter, lock_ptr[T * tiles + t], past the split counters [T * tiles])."""
     pdl.enter(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -574,32 +557,15 @@ def _moe_decode_down_kernel(
     last = True
     if SPLIT > 1:
         ws = ws_ptr + t.to(tl.int64) * N + rows
-        out, last = _split_total(out, ws, lock_ptr + t * tl.num_programs(1) + pid_n, pid_s, T * N, mask_n,
+        out, last = split_total(out, ws, lock_ptr + t * tl.num_programs(1) + pid_n, pid_s, T * N, mask_n,
                                  SPLIT)
     if last:
         out_row = out_ptr + t.to(tl.int64) * stride_om
         tl.store(out_row + rows, bf16_rne(out, INTERPRET), mask=mask_n)
-        if NORM:  # the tile's stores, then its count (release); the last count sees every tile (acquire)
-            tl.debug_barrier()
-            count = lock_ptr + T * tl.num_programs(1) + t
-            if tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-                t64 = t.to(tl.int64)
-                _add_rmsnorm_row(out_row, res_ptr + t64 * stride_res, norm_w_ptr, h_ptr + t64 * stride_h,  #
-                                 res_out_ptr + t64 * stride_res_out, N, eps, ONE_PLUS, BLOCK_D, INTERPRET)
-                tl.atomic_xchg(count, 0)
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeNorm:
-    """The residual add + RMSNorm fused into the decode path's down kernel: its inputs (residual fp32
-    `[T, D]`, weight `[D]`) and outputs (normed h bf16, new residual fp32, both `[T, D]`)."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    one_plus: bool
-    h: torch.Tensor
-    residual_out: torch.Tensor
+        if NORM:
+            norm_row_when_complete(t, tl.num_programs(1), lock_ptr + T * tl.num_programs(1) + t, out_row,  #
+                                   res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h,  #
+                                   stride_res_out, N, eps, ONE_PLUS, BLOCK_D, INTERPRET)
 
 
 def _scale_strides(scale: torch.Tensor, paired: bool) -> tuple[int, int, int]:
@@ -611,7 +577,7 @@ def _scale_strides(scale: torch.Tensor, paired: bool) -> tuple[int, int, int]:
 
 
 def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights, cfg: MoEDecodeConfig,
-                norm: _DecodeNorm | None = None) -> torch.Tensor:
+                norm: FusedNorm | None = None) -> torch.Tensor:
     """The NVFP4 decode path: no alignment; GEMVs on CUDA cores over whole 16-code groups; combine fused.
     With `norm`, the down kernel also writes its residual add + RMSNorm."""
     t, a = ids.shape
@@ -675,8 +641,9 @@ def _moe_path(h: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w: MoEW
     if numel == 0:
         return None
     cfg = config or _moe_configs(numel, w.w13.shape[0], nvfp4=w.nvfp4, paired=w.paired)
-    if isinstance(cfg, MoETCConfig) and not w.paired:
-        raise ValueError("MoETCConfig: expected experts in the paired layout (moe_tc.pair_moe_weights)")
+    if isinstance(cfg, MoETCConfig | MoEDirectConfig) and not w.paired:
+        raise ValueError(f"{type(cfg).__name__}: expected experts in the paired layout "
+                         "(moe_tc.pair_moe_weights)")
     if isinstance(cfg, MoEConfig) and w.paired:
         raise ValueError("MoEConfig: the fused grouped GEMMs read the standard layout, not the paired one")
     if isinstance(cfg, MoEDecodeConfig) and not w.nvfp4:
@@ -694,11 +661,12 @@ def moe_experts(
     """`h [T, D]` bf16 through the experts `ids [T, A']` (int32) weighted by `route_w [T, A']` -> `[T, D]`
     bf16.
 
-    The path follows `_moe_configs` (paired NVFP4 experts, as the engine loads them: decode path,
-    `moe_tc`, grouped_mm; standard layout: decode path, fused grouped GEMMs, grouped_mm); `config`
-    overrides it (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEGroupedMMConfig` the
-    grouped-GEMM path, `MoETCConfig` the tensor-core kernels of `moe_tc` (paired layout only), `MoEConfig`
-    the fused grouped GEMMs (standard layout only)."""
+    The path follows `_moe_configs` (paired NVFP4 experts, as the engine loads them: direct path, decode
+    path, `moe_tc`, grouped_mm; standard layout: decode path, fused grouped GEMMs, grouped_mm); `config`
+    overrides it (tuner, tests): a `MoEDecodeConfig` forces the decode path, `MoEDirectConfig` the
+    direct path (`moe_direct`, paired layout only), `MoEGroupedMMConfig` the grouped-GEMM path,
+    `MoETCConfig` the tensor-core kernels of `moe_tc` (paired layout only), `MoEConfig` the fused grouped
+    GEMMs (standard layout only)."""
     cfg = _moe_path(h, ids, route_w, w, config)
     if cfg is None:
         return torch.zeros_like(h)
@@ -707,6 +675,8 @@ def moe_experts(
         return moe_experts_tc(h, ids, rw, w, cfg)
     if isinstance(cfg, MoEDecodeConfig):
         return _moe_decode(h, ids, rw, w, cfg)
+    if isinstance(cfg, MoEDirectConfig):
+        return moe_experts_direct(h, ids, rw, w, cfg)
     if isinstance(cfg, MoEGroupedMMConfig):
         return moe_experts_grouped_mm(h, ids, rw, w)
     numel, a_slots = ids.numel(), ids.shape[1]
@@ -733,12 +703,14 @@ def moe_experts_add_rmsnorm(
     MoE block, then the residual add + RMSNorm that follows it (the next layer's input norm, or the final
     norm) -> (normed h bf16 `[T, D]`, new residual fp32 `[T, D]`).
 
-    On the decode path (`MoEDecodeConfig`) the down kernel's program that completes a token's last row
-    tile does the add + RMSNorm on the row, read back from L2: one launch fewer. That kernel then runs on
-    `add_rmsnorm`'s warps (4 at D <= 2048, whatever the config says): the norm's row sum is laid out, so
-    ordered, as there, but where the config has 2 warps (up to 8 tokens) the down GEMV's own sums change
-    order, so the MoE output can differ from the two calls by a bf16 rounding (on the H100, session 25:
-    not bit-equal at 2 and 8 tokens; bit for bit under the interpreter). Other paths make the two calls.
+    On the decode path (`MoEDecodeConfig`) and the direct path (`MoEDirectConfig`) the down kernel's program
+    that completes a token's last row tile does the add + RMSNorm on the row, read back from L2: one launch
+    fewer. The decode path's down kernel then runs on `add_rmsnorm`'s warps (4 at D <= 2048, whatever the
+    config says): the norm's row sum is laid out, so ordered, as there, but where the config has 2 warps
+    (up to 8 tokens) the down GEMV's own sums change order, so the MoE output can differ from the two calls
+    by a bf16 rounding (on the H100, session 25: not bit-equal at 2 and 8 tokens; bit for bit under the
+    interpreter). The direct path keeps its config's warps (a 64-row tile needs one warpgroup): 4, as
+    `add_rmsnorm`'s at D <= 2048. Other paths make the two calls.
     `residual` (fp32 `[T, D]`, the engine's stream) is only read: the new residual is a new tensor, as from
     `add_rmsnorm`."""
     t, d = h.shape
@@ -749,12 +721,16 @@ def moe_experts_add_rmsnorm(
         raise ValueError(f"norm_weight: expected a contiguous ({d},), got {tuple(norm_weight.shape)} strides "
                          f"{norm_weight.stride()}")
     cfg = _moe_path(h, ids, route_w, w, config)
-    if not isinstance(cfg, MoEDecodeConfig):
+    if not isinstance(cfg, MoEDecodeConfig | MoEDirectConfig):
         return add_rmsnorm(moe_experts(h, ids, route_w, w, cfg), residual, norm_weight, eps, one_plus)
     normed = torch.empty_like(h)
     residual_out = torch.empty_like(residual)
-    norm = _DecodeNorm(residual, norm_weight, eps, one_plus, normed, residual_out)
-    _moe_decode(h, ids, route_w.contiguous().view(-1).float(), w, cfg, norm)
+    norm = FusedNorm(residual, norm_weight, eps, one_plus, normed, residual_out)
+    rw = route_w.contiguous().view(-1).float()
+    if isinstance(cfg, MoEDirectConfig):
+        moe_experts_direct(h, ids, rw, w, cfg, norm)
+    else:
+        _moe_decode(h, ids, rw, w, cfg, norm)
     return normed, residual_out
 
 

@@ -385,6 +385,49 @@ def _iteration_tile(bw, sc, STEPS: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def expert_rows(w_ptr, s_ptr, e, rows, stride_we, stride_wn, stride_sk, stride_se, stride_sn,  #
+                STEPS: tl.constexpr):
+    """(w_ptrs [BN, 4 STEPS], s_ptrs [BN, WORDS]) of expert e's `rows` at K = 0, for `expert_tile_dot`: a
+    row's 4 STEPS paired words an iteration, and its 2 STEPS block scales as WORDS words (`pair_scales`:
+    one 32-bit word a row and 64-code block, rows adjacent; STEPS 1 a 16-bit half; s_ptr and its strides
+    in words), 4 bytes a thread, which Triton pipelines by cp.async; as bytes a thread got 2 of STEPS 2's 4
+    and loaded them synchronously (sm_90 SASS), and byte loads stalled on L1 (ncu, H200)."""
+    WORDS: tl.constexpr = 2 if STEPS == 4 else 1
+    w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 4 * STEPS)[None, :]
+    s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + (tl.arange(0, WORDS) * stride_sk)[None, :]
+    return w_ptrs, s_ptrs
+
+
+@triton.jit
+def expert_tile_dot(x_ptrs, valid, w_ptrs, s_ptrs, row_ok, k_base, N, stride_wn, stride_sk, stride_sn,  #
+                    ITERATIONS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,  #
+                    STEPS: tl.constexpr, GATE_UP: tl.constexpr, INTERPRET: tl.constexpr):
+    """One expert's weight tile times x^T over ITERATIONS iterations of 32 STEPS codes from K = k_base:
+    (acc, acc_up) fp32 [BLOCK_N, BLOCK_M] (acc_up zero unless GATE_UP: the up rows, N rows below the gate
+    rows). x_ptrs [32 STEPS, BLOCK_M] point at K = 0 of each column's x row (columns not `valid` read as
+    zero); w_ptrs [BLOCK_N, 4 STEPS] at each row's first word, s_ptrs at its first scale word. ITERATIONS is
+    a constexpr: a loop that may run zero times defines the accumulators outside the MMA pipeline, and
+    ptxas then serializes the wgmmas (`sm90_report`)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(ITERATIONS):
+        k0 = k_base + i * 32 * STEPS
+        s_off = (k0 // 64) * stride_sk + (k0 // 32) % 2 if STEPS == 1 else (k0 // 64) * stride_sk
+        sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS, INTERPRET)
+        bw = _iteration_blocks(tl.load(w_ptrs + k0 // 8, mask=row_ok, other=0), STEPS)
+        x = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
+        if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
+            x = x.to(tl.float32)
+        acc = tl.dot(_iteration_tile(bw, sc, STEPS, INTERPRET), x, acc)
+        if GATE_UP:
+            sc_up = _iteration_scales(tl.load(s_ptrs + N * stride_sn + s_off, mask=row_ok, other=0), STEPS,
+                                      INTERPRET)
+            bw_up = _iteration_blocks(tl.load(w_ptrs + N * stride_wn + k0 // 8, mask=row_ok, other=0), STEPS)
+            acc_up = tl.dot(_iteration_tile(bw_up, sc_up, STEPS, INTERPRET), x, acc_up)
+    return acc, acc_up
+
+
+@triton.jit
 def _moe_tc_kernel(
     a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, route_w_ptr,  #
     sorted_ptr, block_expert_ptr, num_padded_ptr,  #
@@ -408,31 +451,12 @@ def _moe_tc_kernel(
     a_rows = tl.where(valid, entry // A_DIV, 0).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
-    j = tl.arange(0, 32 * STEPS)
-    w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 4 * STEPS)[None, :]  # words
-    # an iteration's 2 STEPS block scales of a row: WORDS words (`pair_scales`: one 32-bit word a row and
-    # 64-code block, rows adjacent; STEPS 1 a 16-bit half; s_ptr and its strides in words), 4 bytes a
-    # thread, which Triton pipelines by cp.async; as bytes a thread got 2 of STEPS 2's 4 and loaded them
-    # synchronously (sm_90 SASS), and byte loads stalled on L1 (ncu, H200)
-    WORDS: tl.constexpr = 2 if STEPS == 4 else 1
-    s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + (tl.arange(0, WORDS) * stride_sk)[None, :]
-    x_ptrs = a_ptr + a_rows[None, :] * stride_am + j[:, None]  # [32 STEPS, BLOCK_M]: x^T
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    row_ok = mask_n[:, None]
-    for k0 in range(0, K, 32 * STEPS):  # K is a multiple of 32 * STEPS (`_launch`)
-        s_off = (k0 // 64) * stride_sk + (k0 // 32) % 2 if STEPS == 1 else (k0 // 64) * stride_sk
-        sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS, INTERPRET)
-        bw = _iteration_blocks(tl.load(w_ptrs + k0 // 8, mask=row_ok, other=0), STEPS)
-        x = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
-        if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
-            x = x.to(tl.float32)
-        acc = tl.dot(_iteration_tile(bw, sc, STEPS, INTERPRET), x, acc)
-        if GATE_UP:  # the up rows follow the N gate rows
-            sc_up = _iteration_scales(tl.load(s_ptrs + N * stride_sn + s_off, mask=row_ok, other=0), STEPS,
-                                      INTERPRET)
-            bw_up = _iteration_blocks(tl.load(w_ptrs + N * stride_wn + k0 // 8, mask=row_ok, other=0), STEPS)
-            acc_up = tl.dot(_iteration_tile(bw_up, sc_up, STEPS, INTERPRET), x, acc_up)
+    w_ptrs, s_ptrs = expert_rows(w_ptr, s_ptr, e, rows, stride_we, stride_wn, stride_sk, stride_se, stride_sn,
+                                 STEPS)
+    x_ptrs = a_ptr + a_rows[None, :] * stride_am + tl.arange(0, 32 * STEPS)[:, None]  # x^T [32 STEPS, BM]
+    acc, acc_up = expert_tile_dot(x_ptrs, valid, w_ptrs, s_ptrs, mask_n[:, None], 0, N, stride_wn,  #
+                                  stride_sk, stride_sn, K // (32 * STEPS), BLOCK_N, BLOCK_M, STEPS,  #
+                                  GATE_UP, INTERPRET)
     if GATE_UP:
         acc = acc * (tl.load(ts_ptr + e * 2) * 67108864.0)  # tensor scale * 2^26
         acc_up = acc_up * (tl.load(ts_ptr + e * 2 + 1) * 67108864.0)
@@ -442,6 +466,12 @@ def _moe_tc_kernel(
         acc = acc * tl.load(route_w_ptr + entry, mask=valid, other=0.0)[None, :]
     out_ptrs = out_ptr + entry.to(tl.int64)[None, :] * stride_om + rows[:, None]
     tl.store(out_ptrs, bf16_rne(acc, INTERPRET), mask=valid[None, :] & mask_n[:, None])
+
+
+def scale_words(scale: torch.Tensor, steps: int) -> torch.Tensor:
+    """Paired block scales `[K/64, E', N, 4]` as `expert_rows` reads them: int32 words `[K/64, E', N]`, or
+    for STEPS 1 int16 halves `[K/64, E', N, 2]`."""
+    return scale.view(torch.int16) if steps == 1 else scale.view(torch.int32).squeeze(-1)
 
 
 def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_expert, num_padded,
@@ -456,8 +486,7 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
         raise ValueError(f"MoETCConfig: STEPS must be 1, 2 or 4, got {steps}")
     while k % (32 * steps):  # fewer blocks an iteration where K is not a multiple (K % 32 == 0 always)
         steps //= 2
-    # the kernel's scale words: [K/64, E', N] of int32, or [K/64, E', N, 2] of int16 halves for STEPS 1
-    st = st.view(torch.int16) if steps == 1 else st.view(torch.int32).squeeze(-1)
+    st = scale_words(st, steps)
     _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #
         sorted_ids, block_expert, num_padded,  #

@@ -336,6 +336,23 @@ def store_split_tile(acc, out_ptrs, ws_ptrs, mask, lock_ptr, tile, split, MN, SP
 
 
 @triton.jit
+def split_total(part, ws_ptrs, lock_ptr, pid_s, stride_s, mask, SPLIT: tl.constexpr):
+    """Serial split reduction of any tile shape: publish this split's fp32 partial (`ws_ptrs` of split 0,
+    splits `stride_s` elements apart); the program of the split that arrives last gets (the sum over the
+    splits in split order, True) and resets the counter at `lock_ptr`, the others (0, False)."""
+    tl.store(ws_ptrs + pid_s * stride_s, part, mask=mask)
+    tl.debug_barrier()
+    done = tl.atomic_add(lock_ptr, 1, sem="acq_rel")
+    last = done == SPLIT - 1
+    total = tl.zeros_like(part)
+    if last:
+        for i in range(SPLIT):
+            total += tl.load(ws_ptrs + i * stride_s, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr, 0)
+    return total, last
+
+
+@triton.jit
 def gemv_split_total(part, ws_ptr, lock_ptr, rows, mask_n, N, SPLIT_K: tl.constexpr):
     """`(total, is_last)` at the end of a one-row split-K GEMV program (grid: row tiles x SPLIT_K): with one
     split `(part, True)` (fp32 [BLOCK_N] of outputs `rows`); else publish `part` in `ws` [SPLIT_K, N]; the

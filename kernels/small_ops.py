@@ -10,6 +10,8 @@ GPU assumptions: none beyond Triton; these are bandwidth-bound row kernels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -72,6 +74,55 @@ def _add_rmsnorm_kernel(
         w = w + 1.0
     tl.store(out_ptr + row * stride_out + offs, _to(xf * rstd * w, out_ptr.dtype.element_ty, INTERPRET),
              mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedNorm:
+    """The residual add + RMSNorm that a MoE down kernel fuses after the block (`moe_experts_add_rmsnorm`):
+    its inputs (residual fp32 `[T, D]`, weight `[D]`) and outputs (normed h bf16, new residual fp32, both
+    `[T, D]`)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    one_plus: bool
+    h: torch.Tensor
+    residual_out: torch.Tensor
+
+
+@triton.jit
+def add_rmsnorm_row(x_row, res_row, w_ptr, h_row, res_out_row, D, eps,  #
+                    ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_add_rmsnorm_kernel` on one row (a bf16 x, an fp32 residual kept in fp32), the same ops in the same
+    order, so the same roundings; x is read from L2 (`.cg`): other programs wrote it."""
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_row + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    r = tl.load(res_row + offs, mask=mask, other=0.0)
+    x = x.to(tl.float32) + r.to(tl.float32)
+    x = _to(x, res_out_row.dtype.element_ty, INTERPRET)
+    tl.store(res_out_row + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ONE_PLUS:
+        w = w + 1.0
+    tl.store(h_row + offs, _to(xf * rstd * w, h_row.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def norm_row_when_complete(t, tiles, count_ptr, out_row, res_ptr, norm_w_ptr, h_ptr, res_out_ptr,  #
+                           stride_res, stride_h, stride_res_out, D, eps,  #
+                           ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """Called by a program that has just stored one of the `tiles` column tiles of token t's output row
+    `out_row`: counts it on the token's counter (release: the tile's stores first); the program that
+    completes the row (acquire: it sees every tile) runs `add_rmsnorm_row` on it and resets the counter."""
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tiles - 1:
+        t64 = t.to(tl.int64)
+        add_rmsnorm_row(out_row, res_ptr + t64 * stride_res, norm_w_ptr, h_ptr + t64 * stride_h,  #
+                        res_out_ptr + t64 * stride_res_out, D, eps, ONE_PLUS, BLOCK_D, INTERPRET)
+        tl.atomic_xchg(count_ptr, 0)
 
 
 @triton.jit

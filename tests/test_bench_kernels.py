@@ -117,6 +117,7 @@ def test_moe_paths_times_every_path_the_table_chooses_between(monkeypatch):
     """`tune_kernels --kinds moe_paths` plumbing on CPU (the timer is faked: timing needs a GPU): each
     path once, the table's choice beside them."""
     from batchinfer.kernels.moe import MoEDecodeConfig, MoEGroupedMMConfig
+    from batchinfer.kernels.moe_direct import MoEDirectConfig
     from batchinfer.kernels.moe_tc import MoETCConfig
 
     from batchinfer.bench import tune_kernels
@@ -132,12 +133,14 @@ def test_moe_paths_times_every_path_the_table_chooses_between(monkeypatch):
 
     monkeypatch.setattr(tune_kernels, "_moe_timer", fake_timer)
     r = tune_kernels.time_moe_paths("qwen3.6", 12, torch.device("cpu"))
-    assert list(r["us"]) == ["decode", "moe_tc16", "moe_tc32", "moe_tc64", "moe_tc128", "grouped_mm"]
-    assert isinstance(seen[0], MoEDecodeConfig) and isinstance(seen[-1], MoEGroupedMMConfig)
-    assert [c.block_m for c in seen[1:-1]] == [16, 32, 64, 128]
-    assert all(isinstance(c, MoETCConfig) for c in seen[1:-1])
+    names = ["direct", "decode", "moe_tc16", "moe_tc32", "moe_tc64", "moe_tc128", "grouped_mm"]
+    assert list(r["us"]) == names
+    assert isinstance(seen[0], MoEDirectConfig) and isinstance(seen[1], MoEDecodeConfig)
+    assert isinstance(seen[-1], MoEGroupedMMConfig)
+    assert [c.block_m for c in seen[2:-1]] == [16, 32, 64, 128]
+    assert all(isinstance(c, MoETCConfig) for c in seen[2:-1])
     assert r["entries"] == 108 and r["per_expert"] == pytest.approx(108 / 257)
-    assert r["us"]["grouped_mm"] == pytest.approx(6.0)
+    assert r["us"]["grouped_mm"] == pytest.approx(7.0)
     assert r["table"][0] in ("MoETCConfig", "MoEDecodeConfig")
 
 
@@ -160,3 +163,28 @@ def test_cli_refuses_a_token_count_below_one():
 
     res = CliRunner().invoke(cli, ["bench", "kernels", "--m", "8", "--m", "0"])
     assert res.exit_code == 2 and "Invalid value for '--m': 0 is not in the range x>=1." in res.output
+
+
+def test_moe_direct_sweeps_gate_up_splits_then_down(monkeypatch):
+    """`tune_kernels --kinds moe_direct` plumbing on CPU (the timer is faked): every gate_up tile and split
+    with the first down tile, then the other down tiles with the best gate_up; the table's config and the
+    decode path beside them."""
+    from batchinfer.kernels.moe import MoEDecodeConfig
+
+    from batchinfer.bench import tune_kernels
+
+    seen = []
+
+    def fake_timer(model, t, dev):
+        def run(c):
+            seen.append(c)
+            return 1e-6 * (len(seen) if isinstance(c, MoEDecodeConfig) or c.gate_up[-1] != 2 else 0.5)
+
+        return run, t * 9, 257, 512
+
+    monkeypatch.setattr(tune_kernels, "_moe_timer", fake_timer)
+    r = tune_kernels.tune_moe_direct("qwen3.6", 1, torch.device("cpu"))
+    sweeps = len(tune_kernels.MOE_DIRECT_GATE_UP) * len(tune_kernels.MOE_DIRECT_SPLITS)
+    assert len(r["timings"]) == sweeps + len(tune_kernels.MOE_DIRECT_DOWN) - 1
+    assert r["best"][0][-1] == 2 and r["entries"] == 9  # a split-2 config timed fastest
+    assert isinstance(seen[-1], MoEDecodeConfig) and r["decode_us"] == pytest.approx(len(seen))

@@ -21,7 +21,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header = [c.strip("| ") for c in next(line for line in lines if line.startswith("| kernel")).split(" | ")]
     rows = [[c.strip("| ") for c in line.split(" | ")] for line in lines if line.startswith("| _")]
-    assert len(rows) == 71 and not any("FAILED" in line for line in lines)
+    assert len(rows) == 73 and not any("FAILED" in line for line in lines)
     by_kernel = {(r[0], r[1]): dict(zip(header, r, strict=True)) for r in rows}
 
     def column(name: str, key: str, case: str | None = None) -> list[str]:
@@ -31,7 +31,9 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert hgmma and all(int(n) > 0 for n in hgmma)  # prefill QK^T and PV run on wgmma
     ldgsts = column("_decode_attn_kernel", "LDGSTS")
     assert ldgsts and all(int(n) > 0 for n in ldgsts)  # the KV stream is software-pipelined (cp.async)
-    for name in ("_moe_tc_kernel", "_fp8_gemv_kernel", "_fp8_rows_mm_kernel"):  # no synchronous loop loads
+    no_sync = ("_moe_tc_kernel", "_moe_direct_gate_up_kernel", "_moe_direct_down_kernel", "_fp8_gemv_kernel",
+               "_fp8_rows_mm_kernel")  # fmt: skip
+    for name in no_sync:  # no synchronous loop loads
         assert set(column(name, "loop LDG")) == {"0"}, name
     gemv = [r for (name, _), r in by_kernel.items() if name in ("_fp8_gemv_kernel", "_nvfp4_gemv_kernel")]
     assert len(gemv) == 7  # the weight stream is cp.async (split-K too), except on a projection's group-major
@@ -41,7 +43,12 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert column("_moe_decode_gate_up_kernel", "late LDG") == ["0"]
     assert column("_nvfp4_gemv_kernel", "late LDG", "N=8192 K=2048 M=1 group-major") == ["0"]
     assert all(int(n) <= 2 for n in column("_moe_decode_down_kernel", "late LDG"))
-    for name in ("_moe_tc_kernel", "_fp8_rows_mm_kernel"):  # pipelined (a zero-trip K loop serialized
+    for name in (
+        "_moe_tc_kernel",
+        "_moe_direct_gate_up_kernel",
+        "_moe_direct_down_kernel",
+        "_fp8_rows_mm_kernel",
+    ):  # pipelined (a zero-trip K loop serialized
         assert column(name, "wgmma serialized") == [""], name  # moe_tc's until session 12)
     rows_mm = by_kernel[("_fp8_rows_mm_kernel", "N=12288+64 bf16 K=2048 M=32")]  # decoded FP8 as wgmma's A
     assert int(rows_mm["HGMMA"]) > 0
@@ -59,7 +66,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
         "_store_kv_kernel", "_decode_attn_kernel", "_decode_combine_kernel", "_moe_tc_kernel",
         "_moe_decode_gate_up_kernel", "_moe_decode_down_kernel", "_moe_route_kernel", "_moe_hist_kernel",
         "_moe_offsets_kernel", "_moe_scatter_kernel", "_sum_slots_kernel",
-        "_norm_route_kernel",
+        "_norm_route_kernel", "_moe_direct_gate_up_kernel", "_moe_direct_down_kernel",
     }  # fmt: skip
     assert {name for name, _ in pdl} >= decode
     assert all(order == "wait first" for name, order in pdl if name in decode)

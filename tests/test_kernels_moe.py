@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from batchinfer.kernels import moe
+from batchinfer.kernels import moe, small_ops
 from batchinfer.kernels.moe import (
     MoEConfig,
     MoEDecodeConfig,
@@ -285,7 +285,7 @@ def test_decode_path_fuses_add_rmsnorm_bit_exact(monkeypatch, t, down, shared, o
     w, ids, route_w, h, residual, norm_w = _norm_inputs(t, 48, shared, seed=81 + t)
     cfg = MoEDecodeConfig((16, 2, 4, 1), down)
     kept = residual.clone()
-    rows, norm_row = [], moe._add_rmsnorm_row
+    rows, norm_row = [], small_ops.add_rmsnorm_row
 
     def counted(*args):  # the interpreter calls the kernel's helpers through the module's globals
         rows.append(args[0])
@@ -293,7 +293,7 @@ def test_decode_path_fuses_add_rmsnorm_bit_exact(monkeypatch, t, down, shared, o
 
     with monkeypatch.context() as m:
         _poisoned_empty(m)
-        m.setattr(moe, "_add_rmsnorm_row", counted)
+        m.setattr(small_ops, "add_rmsnorm_row", counted)
         normed, new_res = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, one_plus, cfg)
     assert len(rows) == t  # once a token: in sequence (the interpreter) a row normed early is normed again
     assert normed.shape == (t, 48) and normed.dtype == torch.bfloat16

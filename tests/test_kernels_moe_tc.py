@@ -149,14 +149,14 @@ def test_paired_experts_decode_to_the_same_bf16():
 
 
 def test_paired_experts_follow_the_timed_table(monkeypatch):
-    """Paired experts (the engine's): the decode path up to ~0.35 entries an expert, `moe_tc` above (BLOCK_M
-    growing with the entries an expert), then grouped_mm from ~290 entries an expert, the crossovers timed
-    on the H200 at both models' widths."""
+    """Paired experts (the engine's): the direct path up to 4 tokens (`test_kernels_moe_direct`), the
+    decode path up to ~0.35 entries an expert, `moe_tc` above (BLOCK_M growing with the entries an expert),
+    then grouped_mm from ~290 entries an expert, the crossovers timed on the H200 at both models' widths."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
     assert isinstance(moe._moe_configs(72, 257, paired=True), MoEDecodeConfig)  # Qwen3.6, T=8
     assert isinstance(moe._moe_configs(108, 257, paired=True), MoETCConfig)  # T=12
     assert isinstance(moe._moe_configs(288, 257, paired=True), MoETCConfig)  # T=32
-    assert isinstance(moe._moe_configs(32, 128, paired=True), MoEDecodeConfig)  # Qwen3-30B, T=4
+    assert isinstance(moe._moe_configs(40, 128, paired=True), MoEDecodeConfig)  # Qwen3-30B, T=5
     assert isinstance(moe._moe_configs(64, 128, paired=True), MoETCConfig)  # T=8
     assert moe._moe_configs(1152, 257, paired=True).block_m == 16  # T=128
     assert moe._moe_configs(2304, 257, paired=True).block_m == 16  # T=256
@@ -228,13 +228,13 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
 @pytest.mark.parametrize("t", [1, 4])
 @pytest.mark.parametrize(("e", "d", "i", "shared"), [(256, 2048, 512, True), (128, 2048, 768, False)])
 def test_paired_decode_path_real_shapes(t, e, d, i, shared):
-    """One-token batches of paired experts take the decode path (`paired_dot8`'s PTX) by default."""
+    """The decode path (`paired_dot8`'s PTX) on paired experts under its table's configs (the default up to
+    4 tokens is the direct path since session 28)."""
     w = _weights(e, d, i, True, shared, seed=3 * t + e)
     h = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
     ids, route_w = moe_route(h @ w.router.t(), e, 8, True, shared)
-    paired = pair_moe_weights(w)
-    assert isinstance(moe._moe_configs(ids.numel(), paired.w13.shape[0], paired=True), MoEDecodeConfig)
-    assert _rel(moe_experts(h, ids, route_w, paired), moe_experts_ref(h, ids, route_w, w)) < 5e-3
+    out = moe_experts(h, ids, route_w, pair_moe_weights(w), config=moe._decode_config(ids.numel()))
+    assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
 
 
 @pytest.mark.gpu
@@ -250,7 +250,12 @@ def test_subnormal_block_scales_on_every_paired_path():
         pick = (torch.rand(scale.shape, generator=g) < 0.25).to(DEVICE)
         scale.view(torch.uint8).copy_(torch.where(pick, sub, scale.view(torch.uint8)))
     paired = pair_moe_weights(w)
-    for t, cfg in ((1, None), (64, MoETCConfig(16, (64, 4, 3, 4), (64, 4, 3, 4))), (64, moe.tc_config(64))):
+    for t, cfg in (
+        (1, None),
+        (1, moe._decode_config(8)),
+        (64, MoETCConfig(16, (64, 4, 3, 4), (64, 4, 3, 4))),
+        (64, moe.tc_config(64)),
+    ):
         h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
         ids, route_w = moe_route(h @ w.router.t(), e, 8, True, False)
         out = moe_experts(h, ids, route_w, paired, config=cfg)

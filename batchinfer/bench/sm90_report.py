@@ -45,6 +45,7 @@ from batchinfer.kernels import (
     kv_cache,
     moe,
     moe_align,
+    moe_direct,
     moe_tc,
     norm_route,
     nvfp4_gemm,
@@ -60,7 +61,8 @@ from batchinfer.sam3.vit import axial_rope
 
 # fmt: off
 _MODULES = (attention, causal_conv1d, fp8_gemm, fp8_rows_mm, gdn, gdn_chunk, kv_cache, moe, moe_align,
-            moe_tc, norm_route, nvfp4_gemm, qk_norm_rope, sampling, small_ops, norm_triton, rope_triton)
+            moe_direct, moe_tc, norm_route, nvfp4_gemm, qk_norm_rope, sampling, small_ops, norm_triton,
+            rope_triton)
 # fmt: on
 
 _PDL_LAUNCH = pdl.launch
@@ -382,6 +384,9 @@ def _moe_launches() -> Iterator[tuple]:
         _t(t, D), ids(t), torch.rand(t, 9), w, _t(t, D, dtype=torch.float32), _t(D), 1e-6, True, config=cfg
     )
     yield "T=1 paired + add_rmsnorm", moe._moe_decode_down_kernel, lambda: norm(1, moe._decode_config(9))
+    direct = moe_direct.direct_config(9)
+    yield "T=1 paired", moe_direct._moe_direct_gate_up_kernel, lambda: run(1, direct)
+    yield "T=1 paired + add_rmsnorm", moe_direct._moe_direct_down_kernel, lambda: norm(1, direct)
     tc = moe.tc_config(16)
     yield "T=32 gate_up, BLOCK_M 16", moe_tc._moe_tc_kernel, lambda: run(32, tc)
     out = torch.empty(2 * I, D, dtype=torch.bfloat16)

@@ -1,13 +1,14 @@
 """Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
 
 Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds
-nvfp4,nvfp4_gemv,fp8,fp8_gemv,moe,moe_decode,moe_tc,moe_paths`); the winners go by hand into
-`_nvfp4_gemm_configs` / `gemv_config` / `fp8_gemv_config` /
-`_fp8_gemm_configs` / `_moe_configs` (and its boundaries `DECODE_MAX_ENTRIES`, `DECODE_MAX_PER_EXPERT`,
-`TC_GROUPED_MM_MIN_PER_EXPERT`). Logs one line per (kernel, shape, M) with the best config next to the
-current table's choice (and, for the linears, cuBLAS bf16 on the same shape; for the MoE decode path, the
-grouped GEMMs at the same T; for `moe_tc`, whatever the table runs at that T). `moe_paths` sweeps
-nothing: it times each MoE path once per T, the crossovers the boundaries come from.
+nvfp4,nvfp4_gemv,fp8,fp8_gemv,moe,moe_decode,moe_direct,moe_tc,moe_paths`); the winners go by hand into
+`_nvfp4_gemm_configs` / `gemv_config` / `fp8_gemv_config` / `_fp8_gemm_configs` / `_moe_configs` /
+`moe_direct.direct_config` (and the boundaries `DIRECT_MAX_ENTRIES`, `DECODE_MAX_ENTRIES`,
+`DECODE_MAX_PER_EXPERT`, `TC_GROUPED_MM_MIN_PER_EXPERT`). Logs one line per (kernel, shape, M) with the best
+config next to the current table's choice (and, for the linears, cuBLAS bf16 on the same shape; for the MoE
+decode path, the grouped GEMMs at the same T; for the direct path, the decode path; for `moe_tc`, whatever
+the table runs at that T). `moe_paths` sweeps nothing: it times each MoE path once per T, the crossovers the
+boundaries come from.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from batchinfer.kernels.moe import (
     moe_route,
     tc_config,
 )
+from batchinfer.kernels.moe_direct import MoEDirectConfig, direct_config
 from batchinfer.kernels.moe_tc import MoETCConfig, pair_moe_weights
 from batchinfer.kernels.nvfp4_gemm import (
     GemmConfig,
@@ -304,17 +306,57 @@ def tune_moe_tc(model: str, t: int, dev: torch.device) -> dict:
     }
 
 
-MOE_PATHS_TOKENS = [4, 8, 12, 16, 24, 32, 2048, 3072, 4096, 6144]
+# The direct path (`moe_direct`): gate_up (BLOCK_N, warps, stages, STEPS) with SPLIT K splits, down's
+# tiles (one program a slot). H100, session 28: 64 rows on 4 warps, 3 stages, STEPS 4, 4 splits best or
+# within 1 us at 1-4 tokens on both models.
+MOE_DIRECT_GATE_UP = [(64, 4, 3, 4), (64, 4, 4, 4), (64, 4, 2, 4), (64, 4, 3, 2), (64, 4, 4, 2),
+                      (128, 8, 3, 4)]  # fmt: skip
+MOE_DIRECT_SPLITS = [1, 2, 4, 8]
+MOE_DIRECT_DOWN = [(64, 4, 3, 4), (64, 4, 2, 4), (64, 4, 3, 2), (128, 8, 3, 4)]
+MOE_DIRECT_TOKENS = [1, 2, 4]
+
+
+def tune_moe_direct(model: str, t: int, dev: torch.device) -> dict:
+    """The direct path: gate_up tiles and splits with the first down tile, then down tiles with the best
+    gate_up; beside it the decode path under its table config at the same T."""
+    timer, numel, _, _ = _moe_timer(model, t, dev)
+    run = _skipping_failures(timer)
+    timings: dict[MoEPath, float] = {}
+    for tiles, split in itertools.product(MOE_DIRECT_GATE_UP, MOE_DIRECT_SPLITS):
+        c = MoEDirectConfig((*tiles, split), MOE_DIRECT_DOWN[0])
+        timings[c] = run(c)
+    gate_up = min(timings, key=timings.get).gate_up
+    for tiles in MOE_DIRECT_DOWN[1:]:
+        c = MoEDirectConfig(gate_up, tiles)
+        timings[c] = run(c)
+    best = min(timings, key=timings.get)
+    table = direct_config(numel)
+    return {
+        "kind": "moe_direct",
+        "model": model,
+        "t": t,
+        "entries": numel,
+        "best": dataclasses.astuple(best),
+        "best_us": timings[best] * 1e6,
+        "table_us": timings[table] * 1e6 if table in timings else run(table) * 1e6,
+        "decode_us": run(_decode_config(numel)) * 1e6,
+        "timings": [[dataclasses.astuple(c), v * 1e6] for c, v in timings.items()],
+    }
+
+
+MOE_PATHS_TOKENS = [1, 2, 4, 8, 12, 16, 24, 32, 2048, 3072, 4096, 6144]
 
 
 def time_moe_paths(model: str, t: int, dev: torch.device) -> dict:
     """Every path the engine's table chooses between at this T, on paired experts, nothing swept: the
-    decode path under its table config (up to DECODE_MAX_ENTRIES, where it can run), `moe_tc` at each
-    BLOCK_M with the table's tiles, grouped_mm; the crossovers behind DECODE_MAX_PER_EXPERT and
-    TC_GROUPED_MM_MIN_PER_EXPERT."""
+    direct and decode paths under their table configs (up to DECODE_MAX_ENTRIES), `moe_tc` at each
+    BLOCK_M with the table's tiles, grouped_mm; the crossovers behind DIRECT_MAX_ENTRIES,
+    DECODE_MAX_PER_EXPERT and TC_GROUPED_MM_MIN_PER_EXPERT."""
     timer, numel, experts, _ = _moe_timer(model, t, dev)
     run = _skipping_failures(timer)
-    paths: dict[str, MoEPath] = {"decode": _decode_config(numel)} if numel <= DECODE_MAX_ENTRIES else {}
+    paths: dict[str, MoEPath] = {}
+    if numel <= DECODE_MAX_ENTRIES:
+        paths = {"direct": direct_config(numel), "decode": _decode_config(numel)}
     for bm in MOE_TC_BLOCK_M:
         paths[f"moe_tc{bm}"] = tc_config(bm)
     paths["grouped_mm"] = MoEGroupedMMConfig()
@@ -345,10 +387,11 @@ def main() -> None:
     dev = torch.device("cuda")
     results = []
     for kind in args.kinds.split(","):
-        if kind in ("moe", "moe_decode", "moe_tc", "moe_paths"):
+        if kind in ("moe", "moe_decode", "moe_direct", "moe_tc", "moe_paths"):
             tune, tokens = {
                 "moe": (tune_moe, MOE_TOKENS),
                 "moe_decode": (tune_moe_decode, MOE_DECODE_TOKENS),
+                "moe_direct": (tune_moe_direct, MOE_DIRECT_TOKENS),
                 "moe_tc": (tune_moe_tc, MOE_TC_TOKENS),
                 "moe_paths": (time_moe_paths, MOE_PATHS_TOKENS),
             }[kind]
@@ -371,6 +414,8 @@ def main() -> None:
                         continue
                     if kind == "moe_decode":
                         other = f"grouped {r['grouped_us']:.1f} us"
+                    elif kind == "moe_direct":
+                        other = f"table {r['table_us']:.1f} us; decode path {r['decode_us']:.1f} us"
                     elif kind == "moe":
                         other = f"table {r['table_us']:.1f} us; grouped_mm {r['grouped_mm_us']:.1f} us"
                     else:
