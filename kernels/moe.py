@@ -99,9 +99,9 @@ DECODE_MAX_ENTRIES = 288
 DECODE_MAX_PER_EXPERT = 0.35
 # Entries up to which paired experts take the direct path (`moe_direct`: the tensor cores, one tile an
 # entry) before the decode path: 4 tokens of 9 slots. H100, session 28 (one layer, docs/PERF.md): at 1, 2
-# and 4 tokens 16%, 17% and 25% under the decode path on Qwen3.6, 26%, 25% and 32% on Qwen3-30B; at 8
-# tokens (72 entries) `moe_tc` with its alignment was already faster than either (not yet measured
-# against the direct path there).
+# and 4 tokens 12%, 17% and 25% under the decode path on Qwen3.6, 24%, 20% and 32% on Qwen3-30B; at 8
+# tokens (72 entries) `moe_tc` with its alignment was faster than the decode path and than a direct tile an
+# entry without K splits.
 DIRECT_MAX_ENTRIES = 36
 # Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill),
 # against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) entries an expert.

@@ -16,7 +16,8 @@ size: the weight bytes and their decode take the time, and they are `moe_tc`'s (
   rows); with `norm` the program that completes a token's row then runs the residual add + RMSNorm that
   follows the block (`small_ops.norm_row_when_complete`, `moe_experts_add_rmsnorm`).
 H100, docs/PERF.md session 28: one Qwen3.6 layer at one token 22.4 us on the decode path (both kernels
-and the norm), 18.9 here; Qwen3-30B 28.4 -> 21.0; at 2 and 4 tokens 17-32% less.
+and the norm), 19.7 here; Qwen3-30B 28.4 -> 21.7; at 2 and 4 tokens 17-32% less. `single` +3.2% (Qwen3.6),
++7.8% (Qwen3-30B).
 """
 
 from __future__ import annotations

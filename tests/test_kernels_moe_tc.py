@@ -178,8 +178,8 @@ def test_paired_experts_run_moe_tc_by_default():
     """Without a config, a batch of several entries per expert on paired experts goes through `moe_tc`
     (the interpreter's table), and agrees with the reference and with the standard layout's path."""
     w = _weights(4, 64, 32, True, True, seed=77)
-    ids, route_w, g = _route(6, 3, 5, seed=78)
-    h = torch.randn(6, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids, route_w, g = _route(13, 3, 5, seed=78)  # 39 entries: past the direct path's 36
+    h = torch.randn(13, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     paired = pair_moe_weights(w)
     assert isinstance(moe._moe_configs(ids.numel(), 5, paired=True), MoETCConfig)
     out = moe_experts(h, ids, route_w, paired)
