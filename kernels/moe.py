@@ -52,13 +52,13 @@ from batchinfer.kernels.nvfp4_gemm import (
     group_dot16,
     interpreting,
     split_k_locks,
-    split_total,
 )
 from batchinfer.kernels.small_ops import (
     FusedNorm,
     _row_configs,
     add_rmsnorm,
-    norm_row_when_complete,
+    silu_mul_splits,
+    store_token_tile,
     sum_slots,
 )
 
@@ -495,16 +495,10 @@ def _moe_decode_gate_up_kernel(
         acc_g += p
         acc_u += q
     gate_up = tl.join(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))  # [BN, 2]
-    last = True
-    if SPLIT > 1:
-        ws = ws_ptr + entry.to(tl.int64) * 2 * N + rows[:, None] + (tl.arange(0, 2) * N)[None, :]
-        gate_up, last = split_total(gate_up, ws, lock_ptr + entry * tl.num_programs(1) + pid_n, pid_s,
-                                     NUMEL * 2 * N, mask_n[:, None], SPLIT)
+    lock = lock_ptr + entry * tl.num_programs(1) + pid_n
+    act, last = silu_mul_splits(gate_up, ws_ptr, lock, entry, pid_s, NUMEL, N, rows, mask_n, gate_scale,  #
+                                up_scale, SPLIT, INTERPRET)
     if last:
-        gate, up = tl.split(gate_up)
-        gate = gate * gate_scale
-        up = up * up_scale
-        act = bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
         if PAIRED:  # column n = 32 q + 16 grp + 8 h + 2 t + c is slot j = 4 grp + 2 h + c of word t of
             # block q: code P = 8 (t % 2) + j of int64 g = 2 q + t // 2 (`_x_at`)
             k = rows % 16
@@ -533,7 +527,7 @@ def _moe_decode_down_kernel(
     here, summed in fp32 and rounded once.
 
     NORM: then the residual add + RMSNorm of the token's row into h and res_out by the program that
-    completes its last tile (`small_ops.norm_row_when_complete`: each program that completes a tile counts
+    completes its last tile (`small_ops.store_token_tile`: each program that completes a tile counts
     it on the token's counter, lock_ptr[T * tiles + t], past the split counters [T * tiles])."""
     pdl.enter(PDL)
     t = tl.program_id(0)
@@ -554,18 +548,9 @@ def _moe_decode_down_kernel(
                           (i % steps) * BLOCK_G, G, stride_wn, stride_sk, stride_sn, BLOCK_G, True, False,  #
                           0, PAIRED, INTERPRET)
         out += tl.sum(p, axis=1) * scale
-    last = True
-    if SPLIT > 1:
-        ws = ws_ptr + t.to(tl.int64) * N + rows
-        out, last = split_total(out, ws, lock_ptr + t * tl.num_programs(1) + pid_n, pid_s, T * N, mask_n,
-                                 SPLIT)
-    if last:
-        out_row = out_ptr + t.to(tl.int64) * stride_om
-        tl.store(out_row + rows, bf16_rne(out, INTERPRET), mask=mask_n)
-        if NORM:
-            norm_row_when_complete(t, tl.num_programs(1), lock_ptr + T * tl.num_programs(1) + t, out_row,  #
-                                   res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h,  #
-                                   stride_res_out, N, eps, ONE_PLUS, BLOCK_D, INTERPRET)
+    store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, pid_s, T, N, rows, mask_n, stride_om,  #
+                     res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h, stride_res_out, eps,  #
+                     SPLIT, NORM, ONE_PLUS, BLOCK_D, INTERPRET)
 
 
 def _scale_strides(scale: torch.Tensor, paired: bool) -> tuple[int, int, int]:

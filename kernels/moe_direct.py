@@ -14,7 +14,7 @@ size: the weight bytes and their decode take the time, and they are `moe_tc`'s (
 - down: one program a (token, column tile, slot); the last of a tile's slots sums them in slot order with
   the routing weights and stores bf16, rounded once (as the decode path, not `moe_tc`'s per-slot bf16
   rows); with `norm` the program that completes a token's row then runs the residual add + RMSNorm that
-  follows the block (`small_ops.norm_row_when_complete`, `moe_experts_add_rmsnorm`).
+  follows the block (`small_ops.store_token_tile`, `moe_experts_add_rmsnorm`).
 H100, docs/PERF.md session 28: one Qwen3.6 layer at one token 22.4 us on the decode path (both kernels
 and the norm), 19.7 here; Qwen3-30B 28.4 -> 21.7; at 2 and 4 tokens 17-32% less. `single` +3.2% (Qwen3.6),
 +7.8% (Qwen3-30B).
@@ -30,8 +30,8 @@ import triton.language as tl
 from batchinfer.kernels import pdl
 from batchinfer.kernels.moe_tc import expert_rows, expert_tile_dot, scale_words
 from batchinfer.kernels.moe_weights import MoEWeights
-from batchinfer.kernels.nvfp4_gemm import bf16_rne, interpreting, split_k_locks, split_total
-from batchinfer.kernels.small_ops import FusedNorm, _row_configs, norm_row_when_complete
+from batchinfer.kernels.nvfp4_gemm import interpreting, split_k_locks
+from batchinfer.kernels.small_ops import FusedNorm, _row_configs, silu_mul_splits, store_token_tile
 
 COLUMNS = 16  # x^T columns a tile: the smallest MMA N; column 0 holds the entry's row
 
@@ -94,16 +94,12 @@ def _moe_direct_gate_up_kernel(
                                   stride_wn, stride_sk, stride_sn, K_SPLIT // (32 * STEPS), BLOCK_N, 16,  #
                                   STEPS, True, INTERPRET)
     gate_up = tl.join(_column0(acc), _column0(acc_up))  # [BN, 2]
-    last = True
-    if SPLIT > 1:
-        ws = ws_ptr + entry.to(tl.int64) * 2 * N + rows[:, None] + (tl.arange(0, 2) * N)[None, :]
-        gate_up, last = split_total(gate_up, ws, lock_ptr + entry * tl.num_programs(1) + pid_n, pid_s,
-                                    NUMEL * 2 * N, mask_n[:, None], SPLIT)
+    gate_scale = tl.load(ts_ptr + e * 2) * 67108864.0  # tensor scale * 2^26 (`moe_tc`)
+    up_scale = tl.load(ts_ptr + e * 2 + 1) * 67108864.0
+    lock = lock_ptr + entry * tl.num_programs(1) + pid_n
+    act, last = silu_mul_splits(gate_up, ws_ptr, lock, entry, pid_s, NUMEL, N, rows, mask_n, gate_scale,  #
+                                up_scale, SPLIT, INTERPRET)
     if last:
-        gate, up = tl.split(gate_up)
-        gate = gate * (tl.load(ts_ptr + e * 2) * 67108864.0)  # tensor scale * 2^26 (`moe_tc`)
-        up = up * (tl.load(ts_ptr + e * 2 + 1) * 67108864.0)
-        act = bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET)
         tl.store(out_ptr + entry.to(tl.int64) * stride_om + rows, act, mask=mask_n)
 
 
@@ -120,7 +116,7 @@ def _moe_direct_down_kernel(
 ):
     """out[t, n] = sum over the token's SLOTS slots of route_w * (a[entry] . down_e[n]): one program a
     (token, BLOCK_N rows, slot). NORM: then the residual add + RMSNorm of the token's row into h and
-    res_out (`norm_row_when_complete`; the token counters follow the tile counters [T * tiles])."""
+    res_out (`store_token_tile`; the token counters follow the tile counters [T * tiles])."""
     pdl.enter(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -136,17 +132,9 @@ def _moe_direct_down_kernel(
     acc, _ = expert_tile_dot(x_ptrs, col0, w_ptrs, s_ptrs, mask_n[:, None], 0, N, stride_wn, stride_sk,
                              stride_sn, K // (32 * STEPS), BLOCK_N, 16, STEPS, False, INTERPRET)
     out = _column0(acc) * scale
-    last = True
-    if SLOTS > 1:
-        ws, lock = ws_ptr + t.to(tl.int64) * N + rows, lock_ptr + t * tl.num_programs(1) + pid_n
-        out, last = split_total(out, ws, lock, slot, T * N, mask_n, SLOTS)
-    if last:
-        out_row = out_ptr + t.to(tl.int64) * stride_om
-        tl.store(out_row + rows, bf16_rne(out, INTERPRET), mask=mask_n)
-        if NORM:
-            norm_row_when_complete(t, tl.num_programs(1), lock_ptr + T * tl.num_programs(1) + t, out_row,  #
-                                   res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h,  #
-                                   stride_res_out, N, eps, ONE_PLUS, BLOCK_D, INTERPRET)
+    store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, slot, T, N, rows, mask_n, stride_om,  #
+                     res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h, stride_res_out, eps,  #
+                     SLOTS, NORM, ONE_PLUS, BLOCK_D, INTERPRET)
 
 
 def _steps(k: int, steps: int, split: int = 1) -> tuple[int, int]:

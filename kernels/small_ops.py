@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from batchinfer.kernels import pdl
-from batchinfer.kernels.nvfp4_gemm import bf16_rne, interpreting
+from batchinfer.kernels.nvfp4_gemm import bf16_rne, interpreting, split_total
 
 
 def _row_configs(d: int) -> dict[str, int]:
@@ -111,18 +111,49 @@ def add_rmsnorm_row(x_row, res_row, w_ptr, h_row, res_out_row, D, eps,  #
 
 
 @triton.jit
-def norm_row_when_complete(t, tiles, count_ptr, out_row, res_ptr, norm_w_ptr, h_ptr, res_out_ptr,  #
-                           stride_res, stride_h, stride_res_out, D, eps,  #
-                           ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-    """Called by a program that has just stored one of the `tiles` column tiles of token t's output row
-    `out_row`: counts it on the token's counter (release: the tile's stores first); the program that
-    completes the row (acquire: it sees every tile) runs `add_rmsnorm_row` on it and resets the counter."""
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tiles - 1:
-        t64 = t.to(tl.int64)
-        add_rmsnorm_row(out_row, res_ptr + t64 * stride_res, norm_w_ptr, h_ptr + t64 * stride_h,  #
-                        res_out_ptr + t64 * stride_res_out, D, eps, ONE_PLUS, BLOCK_D, INTERPRET)
-        tl.atomic_xchg(count_ptr, 0)
+def silu_mul_splits(gate_up, ws_ptr, lock_ptr, entry, pid_s, NUMEL, N, rows, mask_n, gate_scale, up_scale,  #
+                    SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The end of a MoE gate_up program over one of SPLIT ranges of K: its fp32 (gate, up) partial [BN, 2]
+    of entry `entry`, rows `rows`; with splits, the last to arrive sums them (`split_total`: workspace
+    [SPLIT, NUMEL, 2, N], the tile's counter at lock_ptr) -> (bf16 silu(gate * gate_scale) * up *
+    up_scale, is_last: only the last program's values are the tile's)."""
+    last = True
+    if SPLIT > 1:
+        ws = ws_ptr + entry.to(tl.int64) * 2 * N + rows[:, None] + (tl.arange(0, 2) * N)[None, :]
+        gate_up, last = split_total(gate_up, ws, lock_ptr, pid_s, NUMEL * 2 * N, mask_n[:, None], SPLIT)
+    gate, up = tl.split(gate_up)
+    gate = gate * gate_scale
+    up = up * up_scale
+    return bf16_rne(gate * tl.sigmoid(gate) * up, INTERPRET), last
+
+
+@triton.jit
+def store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, pid_s, T, N, rows, mask_n, stride_om,  #
+                     res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h, stride_res_out, eps,  #
+                     SPLIT: tl.constexpr, NORM: tl.constexpr, ONE_PLUS: tl.constexpr,  #
+                     BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    """The end of a MoE down program (grid: tokens, row tiles, SPLIT slot ranges): its fp32 partial `out`
+    of token t's row tile `rows`; the last split to arrive sums them (`split_total`: workspace [SPLIT, T,
+    N], tile counters lock_ptr[T * tiles]) and stores the tile in bf16. NORM: it then counts the tile on
+    the token's counter (lock_ptr[T * tiles + t], release: the tile's stores first), and the program that
+    completes the row (acquire: it sees every tile) runs `add_rmsnorm_row` on it into h and res_out and
+    resets the counter."""
+    last = True
+    tiles = tl.num_programs(1)
+    if SPLIT > 1:
+        ws = ws_ptr + t.to(tl.int64) * N + rows
+        out, last = split_total(out, ws, lock_ptr + t * tiles + pid_n, pid_s, T * N, mask_n, SPLIT)
+    if last:
+        out_row = out_ptr + t.to(tl.int64) * stride_om
+        tl.store(out_row + rows, bf16_rne(out, INTERPRET), mask=mask_n)
+        if NORM:
+            tl.debug_barrier()
+            count = lock_ptr + T * tiles + t
+            if tl.atomic_add(count, 1, sem="acq_rel") == tiles - 1:
+                t64 = t.to(tl.int64)
+                add_rmsnorm_row(out_row, res_ptr + t64 * stride_res, norm_w_ptr, h_ptr + t64 * stride_h,  #
+                                res_out_ptr + t64 * stride_res_out, N, eps, ONE_PLUS, BLOCK_D, INTERPRET)
+                tl.atomic_xchg(count, 0)
 
 
 @triton.jit

@@ -254,6 +254,19 @@ def _counters_zero(device: torch.device) -> bool:
     return all(not buf.any() for buf in _LOCKS.get(device, []))
 
 
+def _counted_norm_rows(monkeypatch) -> list:
+    """Patch `small_ops.add_rmsnorm_row` to record each row it normalises (the interpreter calls a kernel's
+    helpers through their module's globals); the list it fills."""
+    rows, norm_row = [], small_ops.add_rmsnorm_row
+
+    def counted(*args):
+        rows.append(args[0])
+        return norm_row(*args)
+
+    monkeypatch.setattr(small_ops, "add_rmsnorm_row", counted)
+    return rows
+
+
 def _poisoned_empty(monkeypatch) -> None:
     """torch.empty filled with NaN (floats) or -1: a row normed before all its tiles are stored reads NaN
     instead of memory that may still hold the same values from an earlier call."""
@@ -285,15 +298,9 @@ def test_decode_path_fuses_add_rmsnorm_bit_exact(monkeypatch, t, down, shared, o
     w, ids, route_w, h, residual, norm_w = _norm_inputs(t, 48, shared, seed=81 + t)
     cfg = MoEDecodeConfig((16, 2, 4, 1), down)
     kept = residual.clone()
-    rows, norm_row = [], small_ops.add_rmsnorm_row
-
-    def counted(*args):  # the interpreter calls the kernel's helpers through the module's globals
-        rows.append(args[0])
-        return norm_row(*args)
-
     with monkeypatch.context() as m:
         _poisoned_empty(m)
-        m.setattr(small_ops, "add_rmsnorm_row", counted)
+        rows = _counted_norm_rows(m)
         normed, new_res = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, one_plus, cfg)
     assert len(rows) == t  # once a token: in sequence (the interpreter) a row normed early is normed again
     assert normed.shape == (t, 48) and normed.dtype == torch.bfloat16

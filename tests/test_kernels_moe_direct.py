@@ -3,7 +3,7 @@ decode path; CPU (interpreter) and real GPU shapes."""
 
 import pytest
 import torch
-from batchinfer.kernels import moe, small_ops
+from batchinfer.kernels import moe
 from batchinfer.kernels.moe import (
     MoEDecodeConfig,
     moe_experts,
@@ -15,7 +15,16 @@ from batchinfer.kernels.moe import (
 from batchinfer.kernels.moe_direct import MoEDirectConfig, _steps, direct_config
 from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.small_ops import add_rmsnorm
-from test_kernels_moe import DEVICE, GPU_MODELS, _counters_zero, _poisoned_empty, _rel, _route, _weights
+from test_kernels_moe import (
+    DEVICE,
+    GPU_MODELS,
+    _counted_norm_rows,
+    _counters_zero,
+    _poisoned_empty,
+    _rel,
+    _route,
+    _weights,
+)
 
 DECODE = MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1))
 # (gate_up, down): K splits of one and several iterations, one block an iteration (STEPS 1: the scale word
@@ -69,15 +78,9 @@ def test_direct_path_fuses_add_rmsnorm_bit_exact(monkeypatch, t, one_plus):
     norm_w = (torch.randn(64, generator=g) * 0.5).to(torch.bfloat16).to(DEVICE)
     cfg = MoEDirectConfig((32, 4, 1, 2, 2), (16, 4, 1, 2))  # 4 row tiles of the token's row
     kept = residual.clone()
-    rows, norm_row = [], small_ops.add_rmsnorm_row
-
-    def counted(*args):  # the interpreter calls the kernel's helpers through the module's globals
-        rows.append(args[0])
-        return norm_row(*args)
-
     with monkeypatch.context() as m:
         _poisoned_empty(m)
-        m.setattr(small_ops, "add_rmsnorm_row", counted)
+        rows = _counted_norm_rows(m)
         normed, new_res = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, one_plus, cfg)
     assert len(rows) == t
     moe_out = moe_experts(h, ids, route_w, w, config=cfg)
