@@ -98,11 +98,11 @@ class MoEDecodeConfig:
 DECODE_MAX_ENTRIES = 288
 DECODE_MAX_PER_EXPERT = 0.35
 # Entries up to which paired experts take the direct path (`moe_direct`: the tensor cores, one tile an
-# entry) before the decode path: 4 tokens of 9 slots. H100, session 28 (one layer, docs/PERF.md): at 1, 2
-# and 4 tokens 12%, 17% and 25% under the decode path on Qwen3.6, 24%, 20% and 32% on Qwen3-30B; at 8
-# tokens (72 entries) `moe_tc` with its alignment was faster than the decode path and than a direct tile an
-# entry without K splits.
-DIRECT_MAX_ENTRIES = 36
+# entry) before the decode path: 8 tokens of 9 slots. H100, session 28 (one layer, `tune_kernels --kinds
+# moe_paths`, docs/PERF.md): at 1, 2, 4 and 8 tokens the direct path was the fastest of all, 15%, 13%, 27%
+# and 20% under the decode path on Qwen3.6 (6-21% under `moe_tc` at BLOCK_M 16 from 2 tokens), 13-30% on
+# Qwen3-30B; more tokens not yet timed.
+DIRECT_MAX_ENTRIES = 72
 # Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill),
 # against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) entries an expert.
 # H200, session 9 (the decode to bf16 at 2.6 TB/s, docs/PERF_KERNELS.md): `moe_tc` at BLOCK_M 128 wins at

@@ -13,7 +13,7 @@ from batchinfer.kernels.moe import (
     router_logits,
 )
 from batchinfer.kernels.moe_direct import MoEDirectConfig, _steps, direct_config
-from batchinfer.kernels.moe_tc import pair_moe_weights
+from batchinfer.kernels.moe_tc import MoETCConfig, pair_moe_weights
 from batchinfer.kernels.small_ops import add_rmsnorm
 from test_kernels_moe import (
     DEVICE,
@@ -91,13 +91,14 @@ def test_direct_path_fuses_add_rmsnorm_bit_exact(monkeypatch, t, one_plus):
 
 
 def test_a_few_tokens_of_paired_experts_take_the_direct_path(monkeypatch):
-    """Paired experts: the direct path up to DIRECT_MAX_ENTRIES entries (4 tokens of either model), the
-    decode path above; the standard layout never takes it (it reads the paired words)."""
+    """Paired experts: the direct path up to DIRECT_MAX_ENTRIES entries (8 tokens of either model), the
+    decode path or `moe_tc` above; the standard layout never takes it (it reads the paired words)."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
     assert moe._moe_configs(9, 257, paired=True) == direct_config(9)  # Qwen3.6, one token
-    assert isinstance(moe._moe_configs(36, 257, paired=True), MoEDirectConfig)  # 4 tokens
-    assert isinstance(moe._moe_configs(45, 257, paired=True), MoEDecodeConfig)  # 5 tokens
-    assert isinstance(moe._moe_configs(32, 128, paired=True), MoEDirectConfig)  # Qwen3-30B, 4 tokens
+    assert isinstance(moe._moe_configs(72, 257, paired=True), MoEDirectConfig)  # 8 tokens
+    assert isinstance(moe._moe_configs(81, 257, paired=True), MoEDecodeConfig)  # 9 tokens
+    assert isinstance(moe._moe_configs(64, 128, paired=True), MoEDirectConfig)  # Qwen3-30B, 8 tokens
+    assert isinstance(moe._moe_configs(72, 128, paired=True), MoETCConfig)  # 9 tokens
     assert isinstance(moe._moe_configs(9, 257), MoEDecodeConfig)  # standard layout
     w = _weights(4, 64, 32, True, False, seed=31)
     ids, route_w, g = _route(2, 2, 4, seed=32)
@@ -108,10 +109,10 @@ def test_a_few_tokens_of_paired_experts_take_the_direct_path(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
 @pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
 def test_direct_path_real_shapes_under_cuda_graph(t, e, d, i, shared):
-    """The default path for up to 4 tokens of paired experts at the models' shapes against the reference
+    """The default path for up to 8 tokens of paired experts at the models' shapes against the reference
     and the decode path, then with its add + RMSNorm replayed from a CUDA graph on new inputs."""
     w = _weights(e, d, i, True, shared, seed=5 * t + e)
     paired = pair_moe_weights(w)

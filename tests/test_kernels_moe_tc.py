@@ -153,11 +153,10 @@ def test_paired_experts_follow_the_timed_table(monkeypatch):
     decode path up to ~0.35 entries an expert, `moe_tc` above (BLOCK_M growing with the entries an expert),
     then grouped_mm from ~290 entries an expert, the crossovers timed on the H200 at both models' widths."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
-    assert isinstance(moe._moe_configs(72, 257, paired=True), MoEDecodeConfig)  # Qwen3.6, T=8
+    assert isinstance(moe._moe_configs(90, 257, paired=True), MoEDecodeConfig)  # Qwen3.6, T=10
     assert isinstance(moe._moe_configs(108, 257, paired=True), MoETCConfig)  # T=12
     assert isinstance(moe._moe_configs(288, 257, paired=True), MoETCConfig)  # T=32
-    assert isinstance(moe._moe_configs(40, 128, paired=True), MoEDecodeConfig)  # Qwen3-30B, T=5
-    assert isinstance(moe._moe_configs(64, 128, paired=True), MoETCConfig)  # T=8
+    assert isinstance(moe._moe_configs(72, 128, paired=True), MoETCConfig)  # Qwen3-30B, T=9
     assert moe._moe_configs(1152, 257, paired=True).block_m == 16  # T=128
     assert moe._moe_configs(2304, 257, paired=True).block_m == 16  # T=256
     assert moe._moe_configs(4608, 257, paired=True).block_m == 32  # T=512
