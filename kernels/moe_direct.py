@@ -1,6 +1,6 @@
 """NVFP4 MoE for a few tokens on the tensor cores with no alignment: one program an entry.
 
-Why: at one to four tokens a layer's 8-36 (token, expert) entries mostly route to distinct experts. The
+Why: at one to eight tokens a layer's 8-72 (token, expert) entries mostly route to distinct experts. The
 decode path (`moe.py`) runs them as GEMVs on CUDA cores at ~7 SASS instructions a code (docs/PERF.md,
 session 27); `moe_tc` decodes a code in ~3.9 and multiplies on the tensor cores, but first groups the
 entries by expert (`moe_align`, three launches) and sums each token's slots after (`sum_slots`). Here
@@ -16,8 +16,8 @@ size: the weight bytes and their decode take the time, and they are `moe_tc`'s (
   rows); with `norm` the program that completes a token's row then runs the residual add + RMSNorm that
   follows the block (`small_ops.store_token_tile`, `moe_experts_add_rmsnorm`).
 H100, docs/PERF.md session 28: one Qwen3.6 layer at one token 22.4 us on the decode path (both kernels
-and the norm), 19.7 here; Qwen3-30B 28.4 -> 21.7; at 2 and 4 tokens 17-32% less. `single` +3.2% (Qwen3.6),
-+7.8% (Qwen3-30B).
+and the norm), 19.7 here; Qwen3-30B 28.4 -> 21.7; at 2 and 4 tokens 17-32% less; at 8 tokens 20-26% less
+(and 6-12% under `moe_tc`). `single` +3.2% (Qwen3.6), +7.8% (Qwen3-30B).
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ class MoEDirectConfig:
 
 
 def direct_config(numel: int) -> MoEDirectConfig:
-    """H100, one layer of each model at 1, 2 and 4 tokens (docs/PERF.md session 28): 64 rows on 4 warps, 3
-    stages, 4 blocks an iteration for both; gate_up in 4 K splits (8 was 0.8 us better at one Qwen3.6
-    token and 0.4 worse on Qwen3-30B; at 4 tokens 4 is best on both)."""
+    """H100, one layer of each model at 1, 2, 4 and 8 tokens (docs/PERF.md session 28): 64 rows on 4 warps,
+    3 stages, 4 blocks an iteration for both; gate_up in 4 K splits (8 was 0.8 us better at one Qwen3.6
+    token and 0.4 worse on Qwen3-30B; at 4 tokens 4 is best on both). `tune_kernels --kinds moe_direct`
+    found 4 stages 0.4-1.1 us better at 8 tokens and at one Qwen3-30B token (17.9 against 22.3 us, where
+    the kernel probe had 3 stages 0.5 us ahead) and 0.6 us worse at one Qwen3.6 token: not changed."""
     if interpreting():
         return MoEDirectConfig((16, 4, 1, 2, 2), (16, 4, 1, 2))
     return MoEDirectConfig((64, 4, 3, 4, 4), (64, 4, 3, 4))

@@ -399,11 +399,12 @@ def test_router_logits_run_as_an_aligned_gemm(experts):
 @pytest.mark.parametrize("paired", [True, False])
 @pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
 def test_moe_add_rmsnorm_real_shapes(t, paired, e, d, i, shared):
-    """At the models' shapes, on the default path (the decode path but for 32 tokens of paired experts:
-    `moe_tc`) and its production config: `moe_experts_add_rmsnorm` is the two calls within a bf16 rounding
-    (the fused down kernel runs on `add_rmsnorm`'s 4 warps, so where the tuned config has 2 its sums go in
-    another order: on the H100 not bit-equal at 2 and 8 tokens, session 25; bit for bit where the config
-    has 4 already), and stays so replayed from a CUDA graph on new inputs (counters reset), against the fp32
+    """At the models' shapes, on the default path (the direct path for paired experts but at 32 tokens:
+    `moe_tc`; the decode path for the standard layout) and its production config:
+    `moe_experts_add_rmsnorm` is the two calls within a bf16 rounding (the decode path's fused down kernel
+    runs on `add_rmsnorm`'s 4 warps, so where the tuned config has 2 its sums go in another order: on the
+    H100 not bit-equal at 2 and 8 tokens, session 25; bit for bit where the config has 4 already), and
+    stays so replayed from a CUDA graph on new inputs (counters reset), against the fp32
     reference within 1e-2."""
     w = _weights(e, d, i, True, shared, seed=3 * t + e)
     w = pair_moe_weights(w) if paired else w

@@ -149,14 +149,14 @@ def test_paired_experts_decode_to_the_same_bf16():
 
 
 def test_paired_experts_follow_the_timed_table(monkeypatch):
-    """Paired experts (the engine's): the direct path up to 4 tokens (`test_kernels_moe_direct`), the
+    """Paired experts (the engine's): the direct path up to 8 tokens (`test_kernels_moe_direct`), the
     decode path up to ~0.35 entries an expert, `moe_tc` above (BLOCK_M growing with the entries an expert),
     then grouped_mm from ~290 entries an expert, the crossovers timed on the H200 at both models' widths."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
-    assert isinstance(moe._moe_configs(90, 257, paired=True), MoEDecodeConfig)  # Qwen3.6, T=10
+    assert isinstance(moe._moe_configs(81, 257, paired=True), MoEDecodeConfig)  # Qwen3.6, T=9
     assert isinstance(moe._moe_configs(108, 257, paired=True), MoETCConfig)  # T=12
     assert isinstance(moe._moe_configs(288, 257, paired=True), MoETCConfig)  # T=32
-    assert isinstance(moe._moe_configs(72, 128, paired=True), MoETCConfig)  # Qwen3-30B, T=9
+    assert isinstance(moe._moe_configs(80, 128, paired=True), MoETCConfig)  # Qwen3-30B, T=10
     assert moe._moe_configs(1152, 257, paired=True).block_m == 16  # T=128
     assert moe._moe_configs(2304, 257, paired=True).block_m == 16  # T=256
     assert moe._moe_configs(4608, 257, paired=True).block_m == 32  # T=512
@@ -177,8 +177,8 @@ def test_paired_experts_run_moe_tc_by_default():
     """Without a config, a batch of several entries per expert on paired experts goes through `moe_tc`
     (the interpreter's table), and agrees with the reference and with the standard layout's path."""
     w = _weights(4, 64, 32, True, True, seed=77)
-    ids, route_w, g = _route(13, 3, 5, seed=78)  # 39 entries: past the direct path's 36
-    h = torch.randn(13, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids, route_w, g = _route(25, 3, 5, seed=78)  # 75 entries: past the direct path's 72
+    h = torch.randn(25, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     paired = pair_moe_weights(w)
     assert isinstance(moe._moe_configs(ids.numel(), 5, paired=True), MoETCConfig)
     out = moe_experts(h, ids, route_w, paired)
@@ -228,7 +228,7 @@ def test_tensor_core_path_real_shapes(t, e, d, i, shared):
 @pytest.mark.parametrize(("e", "d", "i", "shared"), [(256, 2048, 512, True), (128, 2048, 768, False)])
 def test_paired_decode_path_real_shapes(t, e, d, i, shared):
     """The decode path (`paired_dot8`'s PTX) on paired experts under its table's configs (the default up to
-    4 tokens is the direct path since session 28)."""
+    8 tokens is the direct path since session 28)."""
     w = _weights(e, d, i, True, shared, seed=3 * t + e)
     h = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
     ids, route_w = moe_route(h @ w.router.t(), e, 8, True, shared)
