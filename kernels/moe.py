@@ -146,7 +146,7 @@ def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool =
     avg = numel / experts
     if paired:
         if numel <= DIRECT_MAX_ENTRIES:
-            return direct_config(numel)
+            return direct_config()
         if numel <= DECODE_MAX_ENTRIES and avg <= DECODE_MAX_PER_EXPERT:
             return _decode_config(numel)
         if interpreting():

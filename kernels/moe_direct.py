@@ -33,7 +33,7 @@ from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4_gemm import interpreting, split_k_locks
 from batchinfer.kernels.small_ops import FusedNorm, _row_configs, silu_mul_splits, store_token_tile
 
-COLUMNS = 16  # x^T columns a tile: the smallest MMA N; column 0 holds the entry's row
+COLUMNS = tl.constexpr(16)  # x^T columns a tile: the smallest MMA N; column 0 holds the entry's row
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +45,11 @@ class MoEDirectConfig:
     down: tuple[int, int, int, int]
 
 
-def direct_config(numel: int) -> MoEDirectConfig:
-    """H100, one layer of each model at 1, 2, 4 and 8 tokens (docs/PERF.md session 28): 64 rows on 4 warps,
-    3 stages, 4 blocks an iteration for both; gate_up in 4 K splits (8 was 0.8 us better at one Qwen3.6
-    token and 0.4 worse on Qwen3-30B; at 4 tokens 4 is best on both). `tune_kernels --kinds moe_direct`
-    found 4 stages 0.4-1.1 us better at 8 tokens and at one Qwen3-30B token (17.9 against 22.3 us, where
-    the kernel probe had 3 stages 0.5 us ahead) and 0.6 us worse at one Qwen3.6 token: not changed."""
+def direct_config() -> MoEDirectConfig:
+    """One config for 1-8 tokens (H100, one layer of each model, docs/PERF.md session 28 items 2 and 5): 64
+    rows on 4 warps, 3 stages, 4 blocks an iteration for both; gate_up in 4 K splits. `tune_kernels --kinds
+    moe_direct` found 4 stages ahead at 8 tokens and at one Qwen3-30B token, behind at one Qwen3.6 token,
+    against the kernel probe's 3 stages ahead at 1-4 tokens: not changed until an H200 decides."""
     if interpreting():
         return MoEDirectConfig((16, 4, 1, 2, 2), (16, 4, 1, 2))
     return MoEDirectConfig((64, 4, 3, 4, 4), (64, 4, 3, 4))
@@ -65,7 +64,7 @@ def _column0(acc):
 @triton.jit
 def _x_column0(a_ptr, row, stride_am, STEPS: tl.constexpr):
     """x^T pointers [32 STEPS, COLUMNS] at K = 0 of x row `row`, and the mask that reads column 0 only."""
-    cols = tl.arange(0, 16)
+    cols = tl.arange(0, COLUMNS)
     ptrs = a_ptr + row.to(tl.int64) * stride_am + tl.arange(0, 32 * STEPS)[:, None] + cols[None, :] * 0
     return ptrs, cols == 0
 
@@ -93,8 +92,8 @@ def _moe_direct_gate_up_kernel(
     x_ptrs, col0 = _x_column0(a_ptr, entry // A_DIV, stride_am, STEPS)
     K_SPLIT: tl.constexpr = K // SPLIT  # a multiple of 32 STEPS (`_steps`)
     acc, acc_up = expert_tile_dot(x_ptrs, col0, w_ptrs, s_ptrs, mask_n[:, None], pid_s * K_SPLIT, N,  #
-                                  stride_wn, stride_sk, stride_sn, K_SPLIT // (32 * STEPS), BLOCK_N, 16,  #
-                                  STEPS, True, INTERPRET)
+                                  stride_wn, stride_sk, stride_sn, K_SPLIT // (32 * STEPS), BLOCK_N,  #
+                                  COLUMNS, STEPS, True, INTERPRET)
     gate_up = tl.join(_column0(acc), _column0(acc_up))  # [BN, 2]
     gate_scale = tl.load(ts_ptr + e * 2) * 67108864.0  # tensor scale * 2^26 (`moe_tc`)
     up_scale = tl.load(ts_ptr + e * 2 + 1) * 67108864.0
@@ -132,7 +131,7 @@ def _moe_direct_down_kernel(
                                  STEPS)
     x_ptrs, col0 = _x_column0(a_ptr, entry, stride_am, STEPS)
     acc, _ = expert_tile_dot(x_ptrs, col0, w_ptrs, s_ptrs, mask_n[:, None], 0, N, stride_wn, stride_sk,
-                             stride_sn, K // (32 * STEPS), BLOCK_N, 16, STEPS, False, INTERPRET)
+                             stride_sn, K // (32 * STEPS), BLOCK_N, COLUMNS, STEPS, False, INTERPRET)
     out = _column0(acc) * scale
     store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, slot, T, N, rows, mask_n, stride_om,  #
                      res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h, stride_res_out, eps,  #

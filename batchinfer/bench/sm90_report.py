@@ -384,7 +384,7 @@ def _moe_launches() -> Iterator[tuple]:
         _t(t, D), ids(t), torch.rand(t, 9), w, _t(t, D, dtype=torch.float32), _t(D), 1e-6, True, config=cfg
     )
     yield "T=1 paired + add_rmsnorm", moe._moe_decode_down_kernel, lambda: norm(1, moe._decode_config(9))
-    direct = moe_direct.direct_config(9)
+    direct = moe_direct.direct_config()
     yield "T=1 paired", moe_direct._moe_direct_gate_up_kernel, lambda: run(1, direct)
     yield "T=1 paired + add_rmsnorm", moe_direct._moe_direct_down_kernel, lambda: norm(1, direct)
     tc = moe.tc_config(16)

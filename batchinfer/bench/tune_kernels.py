@@ -330,7 +330,7 @@ def tune_moe_direct(model: str, t: int, dev: torch.device) -> dict:
         c = MoEDirectConfig(gate_up, tiles)
         timings[c] = run(c)
     best = min(timings, key=timings.get)
-    table = direct_config(numel)
+    table = direct_config()
     return {
         "kind": "moe_direct",
         "model": model,
@@ -356,7 +356,7 @@ def time_moe_paths(model: str, t: int, dev: torch.device) -> dict:
     run = _skipping_failures(timer)
     paths: dict[str, MoEPath] = {}
     if numel <= DECODE_MAX_ENTRIES:
-        paths = {"direct": direct_config(numel), "decode": _decode_config(numel)}
+        paths = {"direct": direct_config(), "decode": _decode_config(numel)}
     for bm in MOE_TC_BLOCK_M:
         paths[f"moe_tc{bm}"] = tc_config(bm)
     paths["grouped_mm"] = MoEGroupedMMConfig()
