@@ -1,5 +1,6 @@
 """Small fused ops of the decoder loop: residual add + RMSNorm, SiLU x mul, embedding gather, the MoE's sum
-over a token's slots.
+over a token's slots; and the epilogues the MoE decode and direct paths share (`silu_mul_splits` after a
+split gate_up, `store_token_tile` after a split down, with the row's add + RMSNorm: `add_rmsnorm_row`).
 
 Layouts: every activation is a row-major `[T, D]` bf16/fp16/fp32 tensor (last dim contiguous).
 Numerics: reductions and math in fp32, one cast at the store; the residual sum is rounded to the
