@@ -57,6 +57,7 @@ from batchinfer.kernels.small_ops import (
     FusedNorm,
     _row_configs,
     add_rmsnorm,
+    fused_norm_args,
     silu_mul_splits,
     store_token_tile,
     sum_slots,
@@ -593,13 +594,9 @@ def _moe_decode(h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeig
     ws = torch.empty((split, t, d), dtype=torch.float32, device=dev) if split > 1 else out
     # split counters [t * tiles], then (norm) the tokens' counters [t]
     locks = split_k_locks(dev, t * tiles + t) if split > 1 or norm else out
-    res, norm_w, normed, res_out, eps = out, out, out, out, 0.0
-    norm_args = {"NORM": False, "ONE_PLUS": False, "BLOCK_D": 16}
+    (res, norm_w, normed, res_out), eps, norm_args = fused_norm_args(norm, out)
     if norm:  # the row's sum over as many warps as `add_rmsnorm`'s: the same layout, the same order
-        row = _row_configs(d)
-        res, norm_w, normed, res_out, eps = norm.residual, norm.weight, norm.h, norm.residual_out, norm.eps
-        norm_args = {"NORM": True, "ONE_PLUS": norm.one_plus, "BLOCK_D": row["BLOCK_D"]}
-        warps = row["num_warps"]
+        warps = _row_configs(d)["num_warps"]
     _moe_decode_down_kernel[(t, tiles, split)](
         inter, w2, w.w2_scale, w.w2_tensor_scale, out, ids, rw, ws, locks,  #
         res, norm_w, normed, res_out,  #

@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 from batchinfer.kernels import pdl
-from batchinfer.kernels.moe_tc import expert_rows, expert_tile_dot, scale_words
+from batchinfer.kernels.moe_tc import expert_rows, expert_tile_dot, fit_steps, scale_words
 from batchinfer.kernels.moe_weights import MoEWeights
 from batchinfer.kernels.nvfp4_gemm import interpreting, split_k_locks
-from batchinfer.kernels.small_ops import FusedNorm, _row_configs, silu_mul_splits, store_token_tile
+from batchinfer.kernels.small_ops import FusedNorm, fused_norm_args, silu_mul_splits, store_token_tile
 
 COLUMNS = tl.constexpr(16)  # x^T columns a tile: the smallest MMA N; column 0 holds the entry's row
 
@@ -90,7 +90,7 @@ def _moe_direct_gate_up_kernel(
     w_ptrs, s_ptrs = expert_rows(w_ptr, s_ptr, e, rows, stride_we, stride_wn, stride_sk, stride_se, stride_sn,
                                  STEPS)
     x_ptrs, col0 = _x_column0(a_ptr, entry // A_DIV, stride_am, STEPS)
-    K_SPLIT: tl.constexpr = K // SPLIT  # a multiple of 32 STEPS (`_steps`)
+    K_SPLIT: tl.constexpr = K // SPLIT  # a multiple of 32 STEPS (`fit_steps`)
     acc, acc_up = expert_tile_dot(x_ptrs, col0, w_ptrs, s_ptrs, mask_n[:, None], pid_s * K_SPLIT, N,  #
                                   stride_wn, stride_sk, stride_sn, K_SPLIT // (32 * STEPS), BLOCK_N,  #
                                   COLUMNS, STEPS, True, INTERPRET)
@@ -138,15 +138,6 @@ def _moe_direct_down_kernel(
                      SLOTS, NORM, ONE_PLUS, BLOCK_D, INTERPRET)
 
 
-def _steps(k: int, steps: int, split: int = 1) -> tuple[int, int]:
-    """(STEPS, SPLIT) at most the config's with K a multiple of 32 STEPS SPLIT (K is a multiple of 32)."""
-    while k % (32 * steps * split) and split > 1:
-        split //= 2
-    while k % (32 * steps * split):
-        steps //= 2
-    return steps, split
-
-
 def moe_experts_direct(
     h: torch.Tensor,
     ids: torch.Tensor,
@@ -169,7 +160,7 @@ def moe_experts_direct(
     out = torch.empty((t, d), dtype=torch.bfloat16, device=dev)
 
     block_n, warps, stages, steps, split = cfg.gate_up
-    steps, split = _steps(d, steps, split)
+    steps, split = fit_steps(d, steps, split)
     tiles = triton.cdiv(inter_n, block_n)
     wt, st = w.w13.view(torch.int32), scale_words(w.w13_scale, steps)
     ws = torch.empty((split, t * a, 2, inter_n), dtype=torch.float32, device=dev) if split > 1 else out
@@ -183,16 +174,12 @@ def moe_experts_direct(
     )
 
     block_n, warps, stages, steps = cfg.down
-    steps, _ = _steps(inter_n, steps)
+    steps, _ = fit_steps(inter_n, steps)
     tiles = triton.cdiv(d, block_n)
     wt, st = w.w2.view(torch.int32), scale_words(w.w2_scale, steps)
     ws = torch.empty((a, t, d), dtype=torch.float32, device=dev) if a > 1 else out
     locks = split_k_locks(dev, t * tiles + t)  # slot counters [t * tiles], then (norm) the tokens' [t]
-    res, norm_w, normed, res_out, eps = out, out, out, out, 0.0
-    norm_args = {"NORM": False, "ONE_PLUS": False, "BLOCK_D": 16}
-    if norm:
-        res, norm_w, normed, res_out, eps = norm.residual, norm.weight, norm.h, norm.residual_out, norm.eps
-        norm_args = {"NORM": True, "ONE_PLUS": norm.one_plus, "BLOCK_D": _row_configs(d)["BLOCK_D"]}
+    (res, norm_w, normed, res_out), eps, norm_args = fused_norm_args(norm, out)
     _moe_direct_down_kernel[(t, tiles, a)](
         inter, wt, st, w.w2_tensor_scale, out, ids, rw, ws, locks,  #
         res, norm_w, normed, res_out,  #

@@ -468,6 +468,16 @@ def _moe_tc_kernel(
     tl.store(out_ptrs, bf16_rne(acc, INTERPRET), mask=valid[None, :] & mask_n[:, None])
 
 
+def fit_steps(k: int, steps: int, split: int = 1) -> tuple[int, int]:
+    """(STEPS, SPLIT) at most the config's with K a multiple of 32 STEPS SPLIT: splits halve first, then the
+    blocks an iteration (K is a multiple of 32: `pair_groups` checks)."""
+    while k % (32 * steps * split) and split > 1:
+        split //= 2
+    while k % (32 * steps * split):
+        steps //= 2
+    return steps, split
+
+
 def scale_words(scale: torch.Tensor, steps: int) -> torch.Tensor:
     """Paired block scales `[K/64, E', N, 4]` as `expert_rows` reads them: int32 words `[K/64, E', N]`, or
     for STEPS 1 int16 halves `[K/64, E', N, 2]`."""
@@ -484,8 +494,7 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
     k = a.shape[1]
     if steps not in (1, 2, 4):
         raise ValueError(f"MoETCConfig: STEPS must be 1, 2 or 4, got {steps}")
-    while k % (32 * steps):  # fewer blocks an iteration where K is not a multiple (K % 32 == 0 always)
-        steps //= 2
+    steps, _ = fit_steps(k, steps)
     st = scale_words(st, steps)
     _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #

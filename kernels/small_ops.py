@@ -91,6 +91,19 @@ class FusedNorm:
     residual_out: torch.Tensor
 
 
+def fused_norm_args(
+    norm: FusedNorm | None, out: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], float, dict[str, bool | int]]:
+    """A MoE down kernel's `store_token_tile` arguments for `norm` (or none, with `out` [T, D] standing in
+    for its tensors): (residual, weight, h, residual_out), eps, and the NORM / ONE_PLUS / BLOCK_D
+    constexprs."""
+    if norm is None:
+        return (out, out, out, out), 0.0, {"NORM": False, "ONE_PLUS": False, "BLOCK_D": 16}
+    block_d = _row_configs(out.shape[1])["BLOCK_D"]
+    tensors = (norm.residual, norm.weight, norm.h, norm.residual_out)
+    return tensors, norm.eps, {"NORM": True, "ONE_PLUS": norm.one_plus, "BLOCK_D": block_d}
+
+
 @triton.jit
 def add_rmsnorm_row(x_row, res_row, w_ptr, h_row, res_out_row, D, eps,  #
                     ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):

@@ -12,8 +12,8 @@ from batchinfer.kernels.moe import (
     moe_route,
     router_logits,
 )
-from batchinfer.kernels.moe_direct import MoEDirectConfig, _steps, direct_config
-from batchinfer.kernels.moe_tc import MoETCConfig, pair_moe_weights
+from batchinfer.kernels.moe_direct import MoEDirectConfig, direct_config
+from batchinfer.kernels.moe_tc import MoETCConfig, fit_steps, pair_moe_weights
 from batchinfer.kernels.small_ops import add_rmsnorm
 from test_kernels_moe import (
     DEVICE,
@@ -60,11 +60,11 @@ def test_direct_path_matches_reference(monkeypatch, cfg, t, shared, i):
 
 def test_splits_and_blocks_fit_k():
     """K splits, then blocks an iteration, halve until K is a multiple of 32 STEPS SPLIT."""
-    assert _steps(2048, 4, 4) == (4, 4)
-    assert _steps(512, 4, 8) == (4, 4)
-    assert _steps(96, 4, 2) == (1, 1)
-    assert _steps(64, 2, 2) == (2, 1)
-    assert _steps(768, 4) == (4, 1)
+    assert fit_steps(2048, 4, 4) == (4, 4)
+    assert fit_steps(512, 4, 8) == (4, 4)
+    assert fit_steps(96, 4, 2) == (1, 1)
+    assert fit_steps(64, 2, 2) == (2, 1)
+    assert fit_steps(768, 4) == (4, 1)
 
 
 @pytest.mark.parametrize(("t", "one_plus"), [(1, True), (3, False)])
