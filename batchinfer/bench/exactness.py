@@ -5,7 +5,11 @@ same (dequantized) weights, through both of its paths.
 - decode path: each sequence prefilled up to `decode_tail` tokens before its end, then the remaining
   tokens fed one step at a time through `decode` (the CUDA-graphed path), logits at those positions.
 Relative L2 error over all compared logits and top-1 agreement per position are the figures; the limits
-are issue 6's (random weights: <= 2e-2 and >= 95%; the demo model: >= 99% top-1).
+are issue 6's (random weights: <= 2e-2 and >= 95%; the demo model: >= 99% top-1). Top-1 on random weights
+counts near-ties: one flipped position in 256 moved Qwen3-30B's decode figure from 95.3% to 94.9% with
+its error unchanged (docs/PERF.md, session 29), where the plain bf16 forward scores 94.9% too. So the
+decode path covers 128 positions a sequence (1,024 by default), and the prefill path's top-1 at those
+same positions is reported beside it: the two paths compared on equal positions.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Exactness:
     decode_rel_l2: float
     decode_top1: float
     passed: bool
+    prefill_top1_at_decode: float  # the prefill path's top-1 at the decode path's positions
     bf16_reference_rel_l2: float | None = None  # the plain PyTorch bf16 forward vs fp32: the bf16 floor
     bf16_reference_top1: float | None = None
 
@@ -58,7 +63,7 @@ def engine_exactness(
     model: KernelModel,
     reference: QwenMoeModel,
     sequences: Sequence[Sequence[int]],
-    decode_tail: int = 32,
+    decode_tail: int = 128,
     max_rel_l2: float = MAX_REL_L2,
     min_top1: float = MIN_TOP1,
     bf16_reference: QwenMoeModel | None = None,
@@ -88,9 +93,11 @@ def engine_exactness(
     decoded = [torch.stack([steps[j][b] for j in range(decode_tail)]) for b in range(n)]
     ref_tail = [r[h:] for r, h in zip(ref, heads, strict=True)]
     decode_rel, decode_top1 = _compare(decoded, ref_tail)
+    _, prefill_tail_top1 = _compare([x[h:] for x, h in zip(logits.split(lens), heads, strict=True)], ref_tail)
     passed = max(prefill_rel, decode_rel) <= max_rel_l2 and min(prefill_top1, decode_top1) >= min_top1
+    positions = n * decode_tail
     result = Exactness(
-        n, sum(lens), prefill_rel, prefill_top1, n * decode_tail, decode_rel, decode_top1, passed
+        n, sum(lens), prefill_rel, prefill_top1, positions, decode_rel, decode_top1, passed, prefill_tail_top1
     )
     if bf16_reference is not None:
         floor = [x.to(dev) for x in teacher_forcing_logits(bf16_reference, sequences)]

@@ -465,7 +465,8 @@ def format_exactness(e: dict) -> str:
     return (
         f"kernel exactness ({e['sequences']} sequences, {e['tokens']} tokens): prefill rel L2 "
         f"{e['prefill_rel_l2']:.2e}, top-1 {e['prefill_top1']:.4f}; decode ({e['decode_positions']} steps) "
-        f"rel L2 {e['decode_rel_l2']:.2e}, top-1 {e['decode_top1']:.4f}; {'PASS' if e['passed'] else 'FAIL'}"
+        f"rel L2 {e['decode_rel_l2']:.2e}, top-1 {e['decode_top1']:.4f} (prefill there "
+        f"{e['prefill_top1_at_decode']:.4f}); {'PASS' if e['passed'] else 'FAIL'}"
         + (
             f" (bf16 PyTorch forward: rel L2 {e['bf16_reference_rel_l2']:.2e}, "
             f"top-1 {e['bf16_reference_top1']:.4f})"
