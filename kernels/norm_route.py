@@ -13,8 +13,10 @@ bits, but the reductions follow this launch's warps (the norm's sum of squares, 
 softmax sum, moe_route's 1) and the router dots are summed in another order than cuBLAS's, so an element of
 h or a logit can land one bf16 step away, and a routing weight an fp32 rounding away, from the unfused ones.
 GPU assumptions: sm_90 or the Triton interpreter; one CUDA stream per device at a time uses the counters.
-Not yet timed: the grid is cdiv(E', rows) programs (129 at Qwen3.6's 257 rows with rows=2), each reading
-the whole x, residual and norm weight (from L2 after the first) and its own router rows.
+The grid is cdiv(E', rows) programs (257 at Qwen3.6's 257 rows with the default rows=1), each reading the
+whole x, residual and norm weight (from L2 after the first) and its own router rows. H100, session 29: 6.5
+us a launch at Qwen3.6's shape against 6.8 for the three launches it replaces; `single` +2.5% (Qwen3.6)
+and +2.4% (Qwen3-30B) over the untuned launch.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ class NormRouteConfig:
 
 
 def _norm_route_config() -> NormRouteConfig:
-    """Untuned (the lead sweeps `config=` on the H200): 2 rows a program fills the SMs once at Qwen3.6's 257
-    rows; 2 warps keep the 2,048-wide row in registers. The interpreter takes few, wide programs (its cost
-    is per program and op)."""
+    """One router row a program on one warp: swept on an H100 (docs/PERF.md session 29: rows 1-16 by 1-8
+    warps, both models' routers, CUDA-graph replays) it was the fastest or tied, 6.5 us at Qwen3.6's 257
+    rows and 5.4 at Qwen3-30B's 128 against 7.8 and 6.6 for the untuned 2 rows on 2 warps; the last
+    program's routing reduces within one warp, with no shared-memory round. The interpreter takes few,
+    wide programs (its cost is per program and op)."""
     if interpreting():
         return NormRouteConfig(rows=16, warps=1)
-    return NormRouteConfig(rows=2, warps=2)
+    return NormRouteConfig(rows=1, warps=1)
 
 
 @triton.jit
