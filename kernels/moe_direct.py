@@ -39,10 +39,11 @@ COLUMNS = tl.constexpr(16)  # x^T columns a tile: the smallest MMA N; column 0 h
 @dataclass(frozen=True, slots=True)
 class MoEDirectConfig:
     """gate_up (BLOCK_N, num_warps, num_stages, STEPS, SPLIT: programs a tile over K) and down (BLOCK_N,
-    num_warps, num_stages, STEPS; one program a slot). STEPS as in `MoETCConfig`."""
+    num_warps, num_stages, STEPS; one program a slot). STEPS and `max_regs` as in `MoETCConfig`."""
 
     gate_up: tuple[int, int, int, int, int]
     down: tuple[int, int, int, int]
+    max_regs: int = 0
 
 
 def direct_config() -> MoEDirectConfig:
@@ -170,7 +171,7 @@ def moe_experts_direct(
         t * a, inter_n, a,  #
         h.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), st.stride(2), inter.stride(0),  #
         K=d, BLOCK_N=block_n, STEPS=steps, SPLIT=split, INTERPRET=interpreting(),  #
-        num_warps=warps, num_stages=stages, **pdl.launch(dev),  #
+        num_warps=warps, num_stages=stages, maxnreg=cfg.max_regs or None, **pdl.launch(dev),  #
     )
 
     block_n, warps, stages, steps = cfg.down
@@ -187,7 +188,7 @@ def moe_experts_direct(
         inter.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), st.stride(2),  #
         out.stride(0), res.stride(0), normed.stride(0), res_out.stride(0),  #
         K=inter_n, BLOCK_N=block_n, STEPS=steps, SLOTS=a, INTERPRET=interpreting(), **norm_args,  #
-        num_warps=warps, num_stages=stages, **pdl.launch(dev),  #
+        num_warps=warps, num_stages=stages, maxnreg=cfg.max_regs or None, **pdl.launch(dev),  #
     )
     return out
 

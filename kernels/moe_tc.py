@@ -71,11 +71,13 @@ class MoETCConfig:
     """BLOCK_M (tokens a tile, also the alignment), then per GEMM (BLOCK_N, num_warps, num_stages, STEPS):
     STEPS (1, 2 or 4; fewer where K is not a multiple of 32 STEPS) 32-code blocks a loop iteration
     (unrolled), which spreads the loop's fixed cost (scale loads, wgmma fences, addressing) over more
-    codes and loads a row's codes and scales in longer runs."""
+    codes and loads a row's codes and scales in longer runs. `max_regs` caps both kernels' registers a thread
+    (ptxas `.maxnreg`; 0: the compiler's choice): more programs an SM for kernels that wait on memory."""
 
     block_m: int
     gate_up: tuple[int, int, int, int]
     down: tuple[int, int, int, int]
+    max_regs: int = 0
 
 
 @triton.jit
@@ -502,7 +504,7 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
         numel, n, a_div,  #
         a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), st.stride(2), out.stride(0),  #
         K=k, BLOCK_N=block_n, BLOCK_M=cfg.block_m, STEPS=steps, GATE_UP=gate_up, INTERPRET=interpreting(),  #
-        num_warps=warps, num_stages=stages, **pdl.launch(out.device),  #
+        num_warps=warps, num_stages=stages, maxnreg=cfg.max_regs or None, **pdl.launch(out.device),  #
     )
 
 

@@ -1,6 +1,8 @@
 """The direct MoE path (`moe_direct`: tensor cores, one tile an entry) against the fp32 reference and the
 decode path; CPU (interpreter) and real GPU shapes."""
 
+import dataclasses
+
 import pytest
 import torch
 from batchinfer.kernels import moe
@@ -41,7 +43,8 @@ CFGS = [
 def test_direct_path_matches_reference(monkeypatch, cfg, t, shared, i):
     """Every entry its own tile, its column of x alone read; outputs rounded once after the slot sum, as
     the decode path's: both within bf16 rounding of the reference, the same up to summation order, the
-    same again on a second call (split and slot counters reset). One expert serving several tokens."""
+    same again on a second call (split and slot counters reset; launched with the tuner's register cap).
+    One expert serving several tokens."""
     w = _weights(6, 128, i, True, shared, seed=11 * t + i)
     a = 2 + shared
     ids, route_w, g = _route(t, a, 6 + shared, seed=12 * t)
@@ -54,7 +57,8 @@ def test_direct_path_matches_reference(monkeypatch, cfg, t, shared, i):
     assert out.shape == (t, 128) and out.dtype == torch.bfloat16
     assert _rel(out, moe_experts_ref(h, ids, route_w, w)) < 5e-3
     assert _rel(out, moe_experts(h, ids, route_w, paired, config=DECODE)) < 1e-3
-    assert torch.equal(moe_experts(h, ids, route_w, paired, config=cfg), out)
+    capped = dataclasses.replace(cfg, max_regs=80)
+    assert torch.equal(moe_experts(h, ids, route_w, paired, config=capped), out)
     assert _counters_zero(h.device)
 
 
@@ -138,3 +142,20 @@ def test_direct_path_real_shapes_under_cuda_graph(t, e, d, i, shared):
         ref = add_rmsnorm(moe_ref, residual, norm_w, 1e-6, True)
         assert _rel(fused[1], ref[1]) < 1e-3 and _rel(fused[0], ref[0]) < 1e-2
     assert _counters_zero(h.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
+def test_register_cap_changes_no_output_bit(e, d, i, shared):
+    """`max_regs` (the tuner's register cap) only changes register allocation: the direct path at one and 8
+    tokens and `moe_tc` at 32 give the same bits capped at 80 as uncapped."""
+    w = _weights(e, d, i, True, shared, seed=e)
+    paired = pair_moe_weights(w)
+    g = torch.Generator().manual_seed(e)
+    for t, cfg in ((1, direct_config()), (8, direct_config()), (32, moe.tc_config(16))):
+        h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+        ids, route_w = moe_route(router_logits(h, w), e, 8, True, shared)
+        free = moe_experts(h, ids, route_w, paired, config=cfg)
+        capped = moe_experts(h, ids, route_w, paired, config=dataclasses.replace(cfg, max_regs=80))
+        assert torch.equal(free, capped), (t, cfg)

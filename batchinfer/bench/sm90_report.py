@@ -21,6 +21,7 @@ before its wait or never waits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -104,7 +105,7 @@ def _source(
 ) -> tuple[ASTSource, dict[str, Any], dict[str, int]]:
     """The ASTSource Triton's runtime would build for this launch, its constexprs and its options."""
     values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
-    options = {k: values.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in values}
+    options = {k: values.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in values}
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         v = values[p.name]
@@ -389,6 +390,11 @@ def _moe_launches() -> Iterator[tuple]:
     yield "T=1 paired + add_rmsnorm", moe_direct._moe_direct_down_kernel, lambda: norm(1, direct)
     tc = moe.tc_config(16)
     yield "T=32 gate_up, BLOCK_M 16", moe_tc._moe_tc_kernel, lambda: run(32, tc)
+    # the register cap the tuner sweeps (`max_regs`): 7 programs an SM instead of 4, no spills (session 29)
+    capped = dataclasses.replace(tc, max_regs=80)
+    yield "T=32 gate_up, BLOCK_M 16, max_regs 80", moe_tc._moe_tc_kernel, lambda: run(32, capped)
+    capped_direct = dataclasses.replace(direct, max_regs=80)
+    yield "T=1 paired, max_regs 80", moe_direct._moe_direct_gate_up_kernel, lambda: run(1, capped_direct)
     out = torch.empty(2 * I, D, dtype=torch.bfloat16)
     dequant = lambda: moe_tc.dequantize_paired_rows(
         w.w13[0], w.w13_scale[:, 0], w.w13_tensor_scale[0], I, out
