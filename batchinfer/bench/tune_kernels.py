@@ -276,9 +276,9 @@ MOE_TC_TOKENS = [1, 8, 32, 128, 256, 512, 1024, 2048]
 
 
 # Register caps a thread (`max_regs`) tried on the best tiles of `moe_tc` and the direct path: uncapped their
-# gate_up kernels take ~120 registers, 4 programs an SM; 96 and 80 compile to 80 and 72 with no spill, 6 and
-# 7 an SM (sm_90, session 29), where ncu saw `moe_tc`'s gate_up at 32 tokens stall on memory half its
-# cycles at 25% occupancy.
+# gate_up kernels take ~120 registers, 4 programs an SM; 96 and 80 compile to 80-82 and 70-72 with no spill,
+# 5-6 and 7 an SM (sm_90, session 29), where ncu saw `moe_tc`'s gate_up at 32 tokens stall on memory half
+# its cycles at 25% occupancy.
 MOE_MAX_REGS = (96, 80)
 
 
