@@ -167,8 +167,8 @@ def test_cli_refuses_a_token_count_below_one():
 
 def test_moe_direct_sweeps_gate_up_splits_then_down(monkeypatch):
     """`tune_kernels --kinds moe_direct` plumbing on CPU (the timer is faked): every gate_up tile and split
-    with the first down tile, then the other down tiles with the best gate_up; the table's config and the
-    decode path beside them."""
+    with the first down tile, then the other down tiles with the best gate_up, then the best under each
+    register cap; the table's config and the decode path beside them."""
     from batchinfer.kernels.moe import MoEDecodeConfig
 
     from batchinfer.bench import tune_kernels
@@ -185,6 +185,10 @@ def test_moe_direct_sweeps_gate_up_splits_then_down(monkeypatch):
     monkeypatch.setattr(tune_kernels, "_moe_timer", fake_timer)
     r = tune_kernels.tune_moe_direct("qwen3.6", 1, torch.device("cpu"))
     sweeps = len(tune_kernels.MOE_DIRECT_GATE_UP) * len(tune_kernels.MOE_DIRECT_SPLITS)
-    assert len(r["timings"]) == sweeps + len(tune_kernels.MOE_DIRECT_DOWN) - 1
+    caps = len(tune_kernels.MOE_MAX_REGS)
+    assert len(r["timings"]) == sweeps + len(tune_kernels.MOE_DIRECT_DOWN) - 1 + caps
     assert r["best"][0][-1] == 2 and r["entries"] == 9  # a split-2 config timed fastest
+    capped = [c for c, _ in r["timings"][-caps:]]  # the best tiles, capped
+    assert [c[-1] for c in capped] == list(tune_kernels.MOE_MAX_REGS)
+    assert {c[:2] for c in capped} == {r["best"][:2]}
     assert isinstance(seen[-1], MoEDecodeConfig) and r["decode_us"] == pytest.approx(len(seen))
