@@ -27,7 +27,7 @@ from batchinfer.engine.fast import FastGenerator, padded_prompt, prefill_bucket
 from batchinfer.engine.kernel_model import AttentionWeights, DeltaNetWeights, KernelModel, pack_prompts
 from batchinfer.engine.loader import load_engine
 from batchinfer.errors import ConfigError
-from batchinfer.models.generate import generate
+from batchinfer.models.generate import generate, teacher_forcing_logits
 from batchinfer.models.qwen_moe import QwenMoeModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,8 +56,14 @@ def test_teacher_forced_logits_match_the_fp32_reference(preset, quant):
     cfg, ref, km = _models(preset, quant)
     bf16 = QwenMoeModel(cfg, dict(ref.weights), dtype=torch.bfloat16)
     seqs = _random_prompts(cfg.vocab_size, [24, 70])
+    prefills = []  # the packed prefill's logits, kept to recount the prefill path at the decode positions
+    prefill = km.prefill_prompts
+    km.prefill_prompts = lambda *a, **k: prefills.append(prefill(*a, **k)) or prefills[-1]
     result = engine_exactness(km, ref, seqs, decode_tail=4, bf16_reference=bf16)
     assert max(result.prefill_rel_l2, result.decode_rel_l2) <= 2e-2 and result.prefill_top1 >= 0.95, result
+    pairs = zip(prefills[0].split([24, 70]), teacher_forcing_logits(ref, seqs), strict=True)
+    agree = sum(int((x[-4:].float().argmax(-1).cpu() == r[-4:].argmax(-1).cpu()).sum()) for x, r in pairs)
+    assert result.prefill_top1_at_decode == pytest.approx(agree / 8), result
     # No worse than the plain bf16 PyTorch forward by more than half again.
     assert result.prefill_rel_l2 <= 1.5 * result.bf16_reference_rel_l2 + 2e-3, result
 
