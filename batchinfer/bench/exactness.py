@@ -8,8 +8,8 @@ Relative L2 error over all compared logits and top-1 agreement per position are 
 are issue 6's (random weights: <= 2e-2 and >= 95%; the demo model: >= 99% top-1). Top-1 on random weights
 counts near-ties: one flipped position in 256 moved Qwen3-30B's decode figure from 95.3% to 94.9% with
 its error unchanged (docs/PERF.md, session 29), where the plain bf16 forward scores 94.9% too. So the
-decode path covers 128 positions a sequence (1,024 by default), and the prefill path's top-1 at those
-same positions is reported beside it: the two paths compared on equal positions.
+decode path covers 128 positions a sequence (1,024 over `bench run`'s 8), and the prefill path's top-1
+at those same positions is reported beside it: the two paths compared on equal positions.
 """
 
 from __future__ import annotations
