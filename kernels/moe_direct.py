@@ -50,10 +50,12 @@ def direct_config() -> MoEDirectConfig:
     """One config for 1-8 tokens (H100, one layer of each model, docs/PERF.md session 28 items 2 and 5): 64
     rows on 4 warps, 3 stages, 4 blocks an iteration for both; gate_up in 4 K splits. `tune_kernels --kinds
     moe_direct` found 4 stages ahead at 8 tokens and at one Qwen3-30B token, behind at one Qwen3.6 token,
-    against the kernel probe's 3 stages ahead at 1-4 tokens: not changed until an H200 decides."""
+    against the kernel probe's 3 stages ahead at 1-4 tokens: not changed until an H200 decides. Registers
+    capped at 80 (H100, session 30, same call: `bench run single` Qwen3-30B 355.8 -> 364.5 decode tok/s,
+    Qwen3.6 430.9 -> 428.8; one Qwen3-30B layer at one token 22.5 -> 17.9 us)."""
     if interpreting():
         return MoEDirectConfig((16, 4, 1, 2, 2), (16, 4, 1, 2))
-    return MoEDirectConfig((64, 4, 3, 4, 4), (64, 4, 3, 4))
+    return MoEDirectConfig((64, 4, 3, 4, 4), (64, 4, 3, 4), max_regs=80)
 
 
 @triton.jit

@@ -148,14 +148,14 @@ def test_direct_path_real_shapes_under_cuda_graph(t, e, d, i, shared):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
 def test_register_cap_changes_no_output_bit(e, d, i, shared):
-    """`max_regs` (the tuner's register cap) only changes register allocation: the direct path at one and 8
-    tokens and `moe_tc` at 32 give the same bits capped at 80 as uncapped."""
+    """`max_regs` (the tuner's register cap; 80 in `direct_config`) only changes register allocation: the
+    direct path at one and 8 tokens and `moe_tc` at 32 give the same bits capped at 80 as uncapped."""
     w = _weights(e, d, i, True, shared, seed=e)
     paired = pair_moe_weights(w)
     g = torch.Generator().manual_seed(e)
     for t, cfg in ((1, direct_config()), (8, direct_config()), (32, moe.tc_config(16))):
         h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
         ids, route_w = moe_route(router_logits(h, w), e, 8, True, shared)
-        free = moe_experts(h, ids, route_w, paired, config=cfg)
+        free = moe_experts(h, ids, route_w, paired, config=dataclasses.replace(cfg, max_regs=0))
         capped = moe_experts(h, ids, route_w, paired, config=dataclasses.replace(cfg, max_regs=80))
         assert torch.equal(free, capped), (t, cfg)
