@@ -278,7 +278,9 @@ MOE_TC_TOKENS = [1, 8, 32, 128, 256, 512, 1024, 2048]
 # Register caps a thread (`max_regs`) tried on the best tiles of `moe_tc` and the direct path: uncapped their
 # gate_up kernels take ~120 registers, 4 programs an SM; 96 and 80 compile to 80-82 and 70-72 with no spill,
 # 5-6 and 7 an SM (sm_90, session 29), where ncu saw `moe_tc`'s gate_up at 32 tokens stall on memory half
-# its cycles at 25% occupancy.
+# its cycles at 25% occupancy. Session 30 (H100, the table's configs): `moe_tc` no faster capped (1-10%
+# slower, BLOCK_M 64 spills at 80); the direct path's Qwen3-30B layer at one token 20% faster at 80, now its
+# config.
 MOE_MAX_REGS = (96, 80)
 
 
