@@ -296,7 +296,7 @@ def test_engine_and_usage_errors(tmp_path):
     assert "Traceback" not in r.stderr
     shutil.rmtree(tmp_path / "model")
     r = run_cli(*echo_args(tmp_path, tmp_path / "o3"))
-    assert r.returncode == 2 and "no config.json found" in r.stderr
+    assert r.returncode == 2 and f"{tmp_path / 'model'}: no such checkpoint folder" in r.stderr
 
 
 def test_plan_only_writes_the_plan_and_no_results(tmp_path):
@@ -416,7 +416,7 @@ def test_eval_refuses_bad_arguments_before_writing_anything(tmp_path):
             "Invalid value for '--n-per-task': -3 is not in the range",
         ),
         (["-m", str(model), "--max-tokens", "0"], "Invalid value for '--max-tokens': 0 is not in the range"),
-        (["-m", str(tmp_path / "nope")], f"error: {tmp_path / 'nope'}: no config.json found"),
+        (["-m", str(tmp_path / "nope")], f"error: {tmp_path / 'nope'}: no such checkpoint folder"),
         (["-m", str(model), "-o", str(tmp_path / "file")], f"error: --output {tmp_path / 'file'}: a file;"),
     ):
         r = run_cli("eval", "-o", str(tmp_path / "ev"), *args)

@@ -234,6 +234,8 @@ class ModelConfig:
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` from a checkpoint folder (or the file itself)."""
         path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"{path}: no such checkpoint folder or config file")
         file = path / "config.json" if path.is_dir() else path
         return cls.from_hf(read_config_json(file), source=str(file))
 
