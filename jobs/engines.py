@@ -63,6 +63,32 @@ def check_args(spec: str, args: dict[str, Any]) -> Callable[..., TextEngine]:
     return factory
 
 
+def check_args_here(spec: str, args: dict[str, Any]) -> None:
+    """`check_args` for a run that starts on this machine now. Where the factory's check takes `device` and
+    this machine has no CUDA GPU, a CUDA device is refused and a device left to the engine is checked as
+    the CPU it would pick, so that an argument this machine's engine would refuse at load stops before a
+    plan records it. A plan made for another machine (`--plan-only`, `--gpus`, Slurm) gets `check_args`."""
+    check = getattr(check_args(spec, args), "check_args", None)
+    if not callable(check) or "device" not in inspect.signature(check).parameters:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    device = str(args.get("device") or "auto")
+    if device.startswith("cuda"):
+        raise ConfigError(f"--engine-arg device={device}: this machine has no CUDA GPU")
+    if device != "auto":
+        return
+    try:
+        check(**{**args, "device": "cpu"})
+    except ConfigError as e:
+        raise ConfigError(
+            f"{e}; this machine has no CUDA GPU, so the run would start the reference engine here (make the "
+            "plan with --plan-only and run it on a GPU machine, or drop the argument)"
+        ) from None
+
+
 def parse_args(pairs: Sequence[str]) -> dict[str, str]:
     """`KEY=VALUE` strings into a dict."""
     out = {}

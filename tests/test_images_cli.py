@@ -7,6 +7,8 @@ import subprocess
 import time
 
 import duckdb
+import pytest
+import torch
 from images_fixtures import SHAPES, image_folder, scene
 from jobs_fixtures import BATCHINFER, run_cli
 
@@ -121,6 +123,18 @@ def test_sam3_engine_arg_values_are_checked_before_the_plan(tmp_path):
     assert not (tmp_path / "bad" / "plan.json").exists()
     r = run_cli(*base, "-o", str(tmp_path / "login"), "--engine-arg", "device=cuda", "--plan-only")
     assert r.returncode == 0, r.stderr  # the GPU is the run's business, not the planning machine's
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
+def test_a_segment_run_starting_here_needs_the_gpu_it_names(tmp_path):
+    d = image_folder(tmp_path / "imgs", n=2)
+    ckpt = tmp_path / "sam3.safetensors"
+    ckpt.write_bytes(b"not read before the run")
+    out = tmp_path / "here"
+    r = run_cli("segment", "-i", str(d), "-p", "red", "-m", str(ckpt), "-o", str(out), "--engine-arg",
+                "device=cuda")  # fmt: skip
+    assert r.returncode == 2 and "device=cuda: this machine has no CUDA GPU" in r.stderr, r.stderr
+    assert not (out / "plan.json").exists()
 
 
 def test_shared_commands_help_says_what_image_jobs_get():

@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from batchinfer.jobs.spec import load_spec
 from jobs_fixtures import ECHO, echo_args, model_dir, run_cli, write_inputs
 
@@ -366,6 +367,26 @@ def test_engine_arg_values_are_checked_before_the_plan(tmp_path):
     for i, args in enumerate((["device=cuda:1", "deltanet_state=float16"], ["engine=fast", "dtype=bf16"])):
         ok = [*[a for x in args for a in ("--engine-arg", x)], "--plan-only"]
         assert run_cli(*base, "-o", str(tmp_path / f"login{i}"), *ok).returncode == 0  # the GPU node checks
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
+def test_a_run_starting_here_checks_its_engine_arguments_on_this_machine(tmp_path):
+    """Without --plan-only the engine starts here: on a CPU-only machine an argument only the GPU's engine
+    takes, or a CUDA device, is refused before the plan records it (else every rerun fails at load, and
+    correcting it is a different job); --plan-only keeps the plan for a GPU machine."""
+    write_inputs(tmp_path, files=1, rows=4)
+    model_dir(tmp_path)
+    base = ["run", "-i", str(tmp_path / "in"), "-m", str(tmp_path / "model"), "--progress", "none"]
+    for arg, message in (
+        ("kv_cache=fp8", "kv_cache=fp8 applies to the fast engine (engine=fast); this machine has no CUDA"),
+        ("bf16_experts=true", "this machine has no CUDA GPU, so the run would start the reference engine"),
+        ("device=cuda", "--engine-arg device=cuda: this machine has no CUDA GPU"),
+    ):
+        out = tmp_path / "here"
+        r = run_cli(*base, "-o", str(out), "--engine-arg", arg)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (out / "plan.json").exists()
+        assert run_cli(*base, "-o", str(tmp_path / arg), "--engine-arg", arg, "--plan-only").returncode == 0
 
 
 def test_engine_arg_checks_take_the_loaders_arguments():

@@ -163,6 +163,7 @@ def run_command(
     if not args.get("output"):
         raise click.UsageError("--output DIR is required (or `output` in the job spec)")
     job_dir = Path(args["output"]).resolve()
+    here = not plan_only and gpus is None  # the engine starts in this process: its arguments fit this machine
     if (job_dir / PLAN_FILE).exists() and not force_new_plan:
         plan = plans.Plan.load(job_dir)
         given = [k for k in PLAN_KEYS if k in args]
@@ -173,7 +174,7 @@ def run_command(
                 f"{', '.join(given)})"
             )
         if given:
-            plan = plans.open_or_create(_build(job_dir, args, plan.doc, check_rows=False))
+            plan = plans.open_or_create(_build(job_dir, args, plan.doc, check_rows=False, here=here))
         plans.verify_inputs(plan)
     else:
         missing = [k for k in ("input", "model") if not args.get(k)]
@@ -182,7 +183,7 @@ def run_command(
                 f"{job_dir}: {'--force-new-plan' if force_new_plan else 'no plan.json yet, so'} a new job "
                 "needs " + " and ".join(f"--{m}" for m in missing)
             )
-        candidate = _build(job_dir, args, None, check_rows=True)  # bad inputs stop here, before set_aside
+        candidate = _build(job_dir, args, None, check_rows=True, here=here)  # bad inputs stop here
         if force_new_plan:
             plans.set_aside(job_dir)
         plan = plans.open_or_create(candidate)
@@ -201,11 +202,13 @@ def run_command(
     sys.exit(code)
 
 
-def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, check_rows: bool) -> Any:
+def _build(
+    job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, check_rows: bool, here: bool
+) -> Any:
     """The plan `args` describe; unspecified fields come from the existing plan `old` (or defaults)."""
     from batchinfer.engine.api import SamplingParams
     from batchinfer.jobs import plan as plans
-    from batchinfer.jobs.engines import check_args
+    from batchinfer.jobs.engines import check_args, check_args_here
 
     def pick(key: str, default: Any) -> Any:
         return args[key] if key in args else (default if old is None else old[key])
@@ -213,7 +216,7 @@ def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, chec
     base_sampling = _sampling_dict(SamplingParams()) if old is None else old["sampling"]
     engine = args.get("engine") or (old["engine"]["factory"] if old else plans.DEFAULT_ENGINE)
     engine_args = args["engine_args"] if "engine_args" in args else (old["engine"]["args"] if old else {})
-    check_args(engine, engine_args)
+    (check_args_here if here else check_args)(engine, engine_args)  # here: this run starts now
     return plans.build_plan(
         job_dir,
         args.get("input") or [f["path"] for f in old["inputs"]],

@@ -75,6 +75,7 @@ def segment_command(
     from batchinfer.jobs.commit import PLAN_FILE
 
     job_dir = Path(output).resolve()
+    here = not plan_only and gpus is None  # the engine starts in this process: its arguments fit this machine
     given = {k: v for k, v in flags.items() if v not in (None, ())}
     if (job_dir / PLAN_FILE).exists() and not force_new_plan:
         plan = plans.Plan.load(job_dir)
@@ -84,7 +85,7 @@ def segment_command(
                 f"`batchinfer run --output {job_dir}`"
             )
         if given:
-            plan = plans.open_or_create(_build(job_dir, given, plan.doc, check_rows=False))
+            plan = plans.open_or_create(_build(job_dir, given, plan.doc, check_rows=False, here=here))
         plans.verify_inputs(plan)
     else:
         if not given.get("inputs"):
@@ -93,7 +94,7 @@ def segment_command(
             from batchinfer.images.sam3_engine import check_model
 
             check_model(given.get("model", ""))  # else a plan that cannot run, and --model later changes it
-        candidate = _build(job_dir, given, None, check_rows=True)
+        candidate = _build(job_dir, given, None, check_rows=True, here=here)
         if force_new_plan:
             plans.set_aside(job_dir)
         plan = plans.open_or_create(candidate)
@@ -108,12 +109,14 @@ def segment_command(
     sys.exit(execute(plan, list(shard_ids) or list(range(plan.num_shards)), progress or default_progress()))
 
 
-def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, check_rows: bool) -> Any:
+def _build(
+    job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, check_rows: bool, here: bool
+) -> Any:
     """The image plan `args` describe; unspecified fields come from the existing plan `old` (or defaults)."""
     from batchinfer.images import sources
     from batchinfer.images.task import DEFAULT_CHUNK_ROWS, DEFAULT_SCORE_THRESHOLD, clean_prompts
     from batchinfer.jobs import plan as plans
-    from batchinfer.jobs.engines import check_args, parse_args
+    from batchinfer.jobs.engines import check_args, check_args_here, parse_args
 
     params = dict(old["sampling"]) if old else {"score_threshold": DEFAULT_SCORE_THRESHOLD, "prompts": []}
     if "prompts" in args:
@@ -124,7 +127,7 @@ def _build(job_dir: Path, args: dict[str, Any], old: dict[str, Any] | None, chec
     engine_args = (
         parse_args(args["engine_args"]) if "engine_args" in args else (old["engine"]["args"] if old else {})
     )
-    check_args(engine, engine_args)
+    (check_args_here if here else check_args)(engine, engine_args)  # here: this run starts now
     if "inputs" in args:
         patterns, images = sources.split_inputs(args["inputs"])
         if images:

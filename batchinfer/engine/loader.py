@@ -256,7 +256,12 @@ def load_engine(
             f"engine=fast runs Triton kernels and needs a CUDA device, got device {device!r} "
             "(engine=reference runs anywhere; TRITON_INTERPRET=1 interprets the kernels on a CPU, for tests)"
         )
-    _check_fit(opts, fast)
+    try:
+        _check_fit(opts, fast)
+    except ConfigError as e:
+        if engine != "auto":
+            raise
+        raise ConfigError(f"{e}; engine=auto picks the reference engine on {dev}: not a GPU") from None
     if fast:
         torch_dtype = torch.bfloat16
     elif dtype is None:
