@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,9 +279,14 @@ RESUME_HINT = (
 )
 
 
-def open_or_create(candidate: Plan, hint: str = RESUME_HINT) -> Plan:
+def open_or_create(
+    candidate: Plan,
+    hint: str = RESUME_HINT,
+    explain: Callable[[dict[str, Any], dict[str, Any]], list[str]] | None = None,
+) -> Plan:
     """The job's plan: `candidate` if none exists yet, else the existing one if it describes the same job.
-    `hint` ends the error for a different job (`eval` has no --force-new-plan to offer)."""
+    `hint` ends the error for a different job (`eval` has no --force-new-plan to offer); `explain(old,
+    new)` leads its list of changes with what the task knows of them (an image listing's files)."""
     if candidate.save():
         log.info(
             "wrote %s (plan %s, %d rows, %d shards)",
@@ -293,6 +298,8 @@ def open_or_create(candidate: Plan, hint: str = RESUME_HINT) -> Plan:
         return candidate
     existing = Plan.load(candidate.job_dir)
     changes = diff(existing.doc, candidate.doc)
+    if changes and explain is not None:
+        changes = explain(existing.doc, candidate.doc) + changes
     if changes:
         raise PlanMismatchError(
             f"{existing.job_dir / commit.PLAN_FILE} describes a different job (plan {existing.plan_id}); "

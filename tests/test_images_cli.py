@@ -80,6 +80,13 @@ def test_user_errors_are_one_line_exit_2(tmp_path):
     r = run_cli("run", "-o", str(out), "-i", str(d), "-m", str(tmp_path))  # text flags on an image job
     assert r.returncode == 2 and "an image job; resume it with `batchinfer run --output" in r.stderr
     assert run_cli("run", "-o", str(out), "--progress", "none").returncode == 0  # a plain resume still runs
+    scene(7).save(d / "new.png")  # the folder gains an image: refused, the message names it, no new manifest
+    r = run_cli(*_args(d, out))
+    assert r.returncode == 2 and f"image files added: {d / 'new.png'};" in r.stderr, r.stderr
+    assert len(list((out / "inputs").glob("images-*.parquet"))) == 1
+    (d / "img0.png").unlink()
+    r = run_cli(*_args(d, out))
+    assert f"image files removed: {d / 'img0.png'}" in r.stderr, r.stderr
 
 
 def test_progress_counts_images(tmp_path):

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from batchinfer.errors import InputError
+from batchinfer.errors import InputError, PlanMismatchError
 
 DEFAULT_IMAGE_ENGINE = "batchinfer.images.sam3_engine:load_engine"
 
@@ -71,6 +71,7 @@ def segment_command(
     gets one row with instance null. SIGUSR2/SIGTERM: commit the chunk in flight, exit 75.
     """
     from batchinfer.cli.run import default_progress, execute, execute_on_gpus
+    from batchinfer.images import sources
     from batchinfer.jobs import plan as plans
     from batchinfer.jobs.commit import PLAN_FILE
 
@@ -85,7 +86,12 @@ def segment_command(
                 f"`batchinfer run --output {job_dir}`"
             )
         if given:
-            plan = plans.open_or_create(_build(job_dir, given, plan.doc, check_rows=False, here=here))
+            candidate = _build(job_dir, given, plan.doc, check_rows=False, here=here)
+            try:
+                plan = plans.open_or_create(candidate, explain=sources.listing_changes)
+            except PlanMismatchError:
+                sources.remove_new_manifests(candidate.doc, plan.doc)
+                raise
         plans.verify_inputs(plan)
     else:
         if not given.get("inputs"):

@@ -16,8 +16,10 @@ import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from batchinfer.errors import InputError
 from batchinfer.jobs import commit
@@ -110,3 +112,45 @@ def write_manifest(job_dir: Path, images: Sequence[tuple[str, Path]], prompts: S
         )
         commit.write_parquet_atomic(final, table, {"batchinfer.manifest": "image files of --input"})
     return final
+
+
+def _manifests(doc: dict[str, Any]) -> list[Path]:
+    """The plan's inputs that are manifests of image files (this module's, in its job directory)."""
+    paths = [Path(f["path"]) for f in doc["inputs"]]
+    return [p for p in paths if p.parent.name == MANIFEST_DIR and p.name.startswith("images-")]
+
+
+def listing_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The image files that two plans' listings differ by, to refuse the new plan with (the manifests'
+    hashed names tell a user nothing): those added and removed, or, with the same files, that a file's size
+    or the prompts changed (both are in a manifest's name)."""
+
+    def images(doc: dict[str, Any]) -> dict[str, None]:
+        files: dict[str, None] = {}
+        for p in _manifests(doc):
+            if p.exists():
+                files.update(dict.fromkeys(pq.read_table(p, columns=["image"]).column("image").to_pylist()))
+        return files
+
+    if set(_manifests(old)) == set(_manifests(new)):
+        return []
+    before, after = images(old), images(new)
+    changes = [
+        f"image files {what}: "
+        + ", ".join(names[:5])
+        + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        for what, names in (
+            ("added", [f for f in after if f not in before]),
+            ("removed", [f for f in before if f not in after]),
+        )
+        if names
+    ]
+    return changes or ["the same image files, but one's size or the prompts changed"]
+
+
+def remove_new_manifests(new: dict[str, Any], old: dict[str, Any]) -> None:
+    """Delete the manifests a refused plan `new` wrote that the job's plan `old` does not read."""
+    keep = set(_manifests(old))
+    for p in _manifests(new):
+        if p not in keep:
+            p.unlink(missing_ok=True)
