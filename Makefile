@@ -50,4 +50,4 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo-output
+	rm -rf $(VENV) build *.egg-info demo-output demo-images-output

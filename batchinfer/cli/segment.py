@@ -39,7 +39,8 @@ DEFAULT_IMAGE_ENGINE = "batchinfer.images.sam3_engine:load_engine"
     "--prompt",
     "prompts",
     multiple=True,
-    help="Text prompt to segment (repeatable); for folder/glob inputs, and Parquet rows without prompts.",
+    help="Text prompt to segment (repeatable); for folder/glob inputs, and Parquet rows whose prompts "
+    "are null or empty (the column itself is required).",
 )
 @click.option("--score-threshold", type=float, help="Keep instances with score above this [0.5].")
 @click.option(
