@@ -3,7 +3,7 @@
 Why: at one to eight tokens a layer's 8-72 (token, expert) entries mostly route to distinct experts. The
 decode path (`moe.py`) runs them as GEMVs on CUDA cores at ~7 SASS instructions a code (docs/PERF.md,
 session 27); `moe_tc` decodes a code in ~3.9 and multiplies on the tensor cores, but first groups the
-entries by expert (`moe_align`, three launches) and sums each token's slots through counters. Here
+entries by expert (`moe_align`, three launches) and sums each token's slots after (`sum_slots`). Here
 every entry is its own tile: x^T has 16 columns (the smallest MMA N Triton takes) of which column 0 is the
 entry's row, the rest masked to zero. The MMA does 16 times the useful work, which costs nothing at this
 size: the weight bytes and their decode take the time, and they are `moe_tc`'s (`expert_rows`,
