@@ -44,9 +44,8 @@ and K is a constexpr: before, ptxas serialized every wgmma (`ptxas -v` info C751
 path defined the accumulators outside the MMA pipeline) and Triton waited after each 16-code dot; now
 the wgmmas of a dot go back to back with one wait (sm_90: 450 instructions an iteration, 124 registers;
 not yet timed on the H200). Entries are grouped by expert with `moe_align`
-(BLOCK_M-padded, as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight and
-the program that completes a token's row tile sums its slots (`_sum_token_tiles`, was a `sum_slots`
-launch). The engine loads its NVFP4 experts paired, and `moe._moe_configs`
+(BLOCK_M-padded, as the fused grouped GEMMs), gate_up fuses SiLU * up, down applies the routing weight, a
+sum over each token's slots finishes. The engine loads its NVFP4 experts paired, and `moe._moe_configs`
 sends batches of more than ~0.35 entries an expert here, up to where grouped_mm wins (crossovers timed on
 the H200, `tune_kernels --kinds moe_paths`; tiles by `--kinds moe_tc`; docs/PERF_KERNELS.md). Against
 `moe_experts_ref` (fp32) expect the bf16 rounding of the intermediates, ~1e-3..1e-2.
@@ -63,7 +62,8 @@ import triton.language as tl
 from batchinfer.kernels import pdl
 from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_weights import MoEWeights
-from batchinfer.kernels.nvfp4_gemm import bf16_rne, e4m3_to_f32, interpreting, split_k_locks
+from batchinfer.kernels.nvfp4_gemm import bf16_rne, e4m3_to_f32, interpreting
+from batchinfer.kernels.small_ops import sum_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,17 +432,16 @@ def expert_tile_dot(x_ptrs, valid, w_ptrs, s_ptrs, row_ok, k_base, N, stride_wn,
 @triton.jit
 def _moe_tc_kernel(
     a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, route_w_ptr,  #
-    sorted_ptr, block_expert_ptr, num_padded_ptr, sum_ptr, count_ptr,  #
+    sorted_ptr, block_expert_ptr, num_padded_ptr,  #
     NUMEL, N, A_DIV,  #
     stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr,  #
-    GATE_UP: tl.constexpr, INTERPRET: tl.constexpr, SLOTS: tl.constexpr = 0,  #
+    GATE_UP: tl.constexpr, INTERPRET: tl.constexpr,  #
     PDL: tl.constexpr = False,  #
 ):
     """GATE_UP: out[entry, n] = silu(gate[n] . a[tok]) * (up[n] . a[tok]), tok = entry // A_DIV.
     Else (down): out[entry, n] = route_w[entry] * (w[n] . a[entry]). One expert's BLOCK_M entries and
-    BLOCK_N rows n a program; accumulators are [BLOCK_N, BLOCK_M] (rows x entries). Down with SLOTS: the
-    program that completes a token's row tile then sums its SLOTS rows into sum[tok] (`_sum_token_tiles`)."""
+    BLOCK_N rows n a program; accumulators are [BLOCK_N, BLOCK_M] (rows x entries)."""
     pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -469,31 +468,6 @@ def _moe_tc_kernel(
         acc = acc * tl.load(route_w_ptr + entry, mask=valid, other=0.0)[None, :]
     out_ptrs = out_ptr + entry.to(tl.int64)[None, :] * stride_om + rows[:, None]
     tl.store(out_ptrs, bf16_rne(acc, INTERPRET), mask=valid[None, :] & mask_n[:, None])
-    if SLOTS > 0:
-        _sum_token_tiles(out_ptr, sum_ptr, count_ptr, entry, valid, rows, mask_n, pid_n, N, stride_om,  #
-                         SLOTS, INTERPRET)
-
-
-@triton.jit
-def _sum_token_tiles(y_ptr, sum_ptr, count_ptr, entry, valid, rows, mask_n, pid_n, N, stride_y,  #
-                     SLOTS: tl.constexpr, INTERPRET: tl.constexpr):
-    """`small_ops.sum_slots` in the down program's epilogue, for its row tile of the tokens whose entries it
-    holds: each entry counts its (token, tile) (`count_ptr [T * tiles]`, acq_rel: this tile's stores
-    first), and the program that brings a count to SLOTS sums the token's SLOTS bf16 rows of the tile in
-    slot order in fp32 (the other programs' stores seen through the acquire; loads past L1) and rounds once,
-    as `sum_slots` does, then resets the count. Saves `sum_slots`' launch and its read of y from DRAM."""
-    tl.debug_barrier()  # every thread's stores of the tile before any of its counts
-    tok = tl.where(valid, entry // SLOTS, 0).to(tl.int64)
-    counts = count_ptr + tok * tl.num_programs(1) + pid_n
-    last = valid & (tl.atomic_add(counts, 1, mask=valid, sem="acq_rel") == SLOTS - 1)
-    tl.debug_barrier()  # the acquires before any thread's loads of the other slots
-    m = last[None, :] & mask_n[:, None]
-    y_rows = y_ptr + (tok * SLOTS)[None, :] * stride_y + rows[:, None]
-    total = tl.zeros(m.shape, tl.float32)
-    for a in tl.static_range(SLOTS):
-        total += tl.load(y_rows + a * stride_y, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(sum_ptr + tok[None, :] * N + rows[:, None], bf16_rne(total, INTERPRET), mask=m)
-    tl.store(counts, 0, mask=last)
 
 
 def fit_steps(k: int, steps: int, split: int = 1) -> tuple[int, int]:
@@ -513,9 +487,7 @@ def scale_words(scale: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_expert, num_padded,
-            numel: int, a_div: int, cfg: MoETCConfig, summed: torch.Tensor | None = None,
-            slots: int = 0) -> None:
-    """One of the two GEMMs; down with `summed [numel / slots, D]`: each token's slots summed into it."""
+            numel: int, a_div: int, cfg: MoETCConfig) -> None:
     wt, st = (w.w13, w.w13_scale) if gate_up else (w.w2, w.w2_scale)
     wt = wt.view(torch.int32)  # the paired words
     ts = w.w13_tensor_scale if gate_up else w.w2_tensor_scale
@@ -526,15 +498,12 @@ def _launch(a, w: MoEWeights, gate_up: bool, out, route_w, sorted_ids, block_exp
         raise ValueError(f"MoETCConfig: STEPS must be 1, 2 or 4, got {steps}")
     steps, _ = fit_steps(k, steps)
     st = scale_words(st, steps)
-    tiles = triton.cdiv(n, block_n)
-    counts = split_k_locks(out.device, numel // slots * tiles) if summed is not None else out
-    _moe_tc_kernel[(block_expert.numel(), tiles)](
+    _moe_tc_kernel[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, wt, st, ts, out, route_w,  #
-        sorted_ids, block_expert, num_padded, out if summed is None else summed, counts,  #
+        sorted_ids, block_expert, num_padded,  #
         numel, n, a_div,  #
         a.stride(0), wt.stride(0), wt.stride(1), st.stride(0), st.stride(1), st.stride(2), out.stride(0),  #
         K=k, BLOCK_N=block_n, BLOCK_M=cfg.block_m, STEPS=steps, GATE_UP=gate_up, INTERPRET=interpreting(),  #
-        SLOTS=0 if summed is None else slots,  #
         num_warps=warps, num_stages=stages, maxnreg=cfg.max_regs or None, **pdl.launch(out.device),  #
     )
 
@@ -607,7 +576,6 @@ def moe_experts_tc(
     sorted_ids, block_expert, num_padded = moe_align(ids, w.w13.shape[0], cfg.block_m)
     inter = torch.empty((numel, w.intermediate), dtype=torch.bfloat16, device=h.device)
     y = torch.empty((numel, d), dtype=torch.bfloat16, device=h.device)
-    out = torch.empty((t, d), dtype=torch.bfloat16, device=h.device)
     _launch(h, w, True, inter, route_w, sorted_ids, block_expert, num_padded, numel, a_slots, cfg)
-    _launch(inter, w, False, y, route_w, sorted_ids, block_expert, num_padded, numel, 1, cfg, out, a_slots)
-    return out
+    _launch(inter, w, False, y, route_w, sorted_ids, block_expert, num_padded, numel, 1, cfg)
+    return sum_slots(y, a_slots)

@@ -11,19 +11,15 @@ from batchinfer.kernels.moe import (
     moe_experts_ref,
     moe_route,
 )
-from batchinfer.kernels.moe_align import moe_align
 from batchinfer.kernels.moe_grouped_mm import dequantize_experts
 from batchinfer.kernels.moe_tc import (
     PAIR_WORD_BITS,
     MoETCConfig,
-    _launch,
-    moe_experts_tc,
     pair_groups,
     pair_moe_weights,
     pair_scales,
     slot_k,
 )
-from batchinfer.kernels.small_ops import sum_slots
 from test_kernels_moe import DEVICE, _rel, _route, _weights
 
 CFGS = [
@@ -96,28 +92,6 @@ def test_tensor_core_path_matches_reference(monkeypatch, cfg, shared):
     assert _rel(out, ref) < 5e-3
     decode = moe_experts(h, ids, route_w, w, config=MoEDecodeConfig((16, 2, 4, 1), (16, 2, 4, 1)))
     assert _rel(out, decode) < 5e-3
-
-
-@pytest.mark.parametrize("shared", [True, False])
-def test_down_epilogue_sums_the_slots_as_sum_slots(shared):
-    """The down program that completes a (token, row tile) sums the token's slot rows (`_sum_token_tiles`):
-    the bits of `sum_slots` over the rows the down kernel stores without it, D = 96 on 64-row tiles (a
-    masked tile), several tokens on one expert; again on a second call (the counts were reset to 0)."""
-    w = pair_moe_weights(_weights(6, 96, 32, True, shared, seed=81))
-    t, a = 7, 2 + shared
-    ids, route_w, g = _route(t, a, 6 + shared, seed=82)
-    ids[1:, 0] = ids[0, 0]
-    route_w = route_w.reshape(-1)
-    h = torch.randn(t, 96, generator=g).to(torch.bfloat16).to(DEVICE)
-    cfg = MoETCConfig(16, (16, 1, 1, 1), (64, 4, 1, 1))
-    sorted_ids, block_expert, num_padded = moe_align(ids, w.w13.shape[0], cfg.block_m)
-    inter = torch.empty(t * a, w.intermediate, dtype=torch.bfloat16, device=DEVICE)
-    y = torch.empty(t * a, 96, dtype=torch.bfloat16, device=DEVICE)
-    _launch(h, w, True, inter, route_w, sorted_ids, block_expert, num_padded, t * a, a, cfg)
-    _launch(inter, w, False, y, route_w, sorted_ids, block_expert, num_padded, t * a, 1, cfg)
-    want = sum_slots(y, a)
-    for _ in range(2):
-        assert torch.equal(moe_experts_tc(h, ids, route_w, w, cfg), want)
 
 
 @pytest.mark.parametrize("steps,d", [(2, 128), (4, 256)])
