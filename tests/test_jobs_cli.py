@@ -115,6 +115,37 @@ def test_export_refuses_unfinished_job_unless_partial(tmp_path):
     assert (s["shards_done"], s["shards_pending"], s["rows_done"]) == (1, 1, 10)
 
 
+def test_export_and_query_out_never_overwrite_the_jobs_files(tmp_path):
+    """An existing OUT needs --force; an input file or a file in the job directory is refused even then (a
+    committed chunk overwritten corrupted the job, an input overwritten stopped its resume)."""
+    paths = write_inputs(tmp_path, files=2, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out)).returncode == 0
+    before = _digest(out)
+    chunk = next(out.glob("shards/*/*.parquet"))
+    for target, message in (
+        (paths[0], "an input file of the job"),
+        (chunk, "inside the job directory"),
+        (out / "export.csv", "inside the job directory"),
+        (paths[0] / "x.csv", f"{paths[0]} is a file, not a folder"),
+    ):
+        for cmd in (
+            ["export", str(out), str(target), "--force"],
+            ["query", str(out), "SELECT 1", "--out", str(target)],
+        ):
+            r = run_cli(*cmd)
+            assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert _digest(out) == before and run_cli("run", "--output", str(out)).returncode == 0
+    exp = tmp_path / "x.parquet"
+    assert run_cli("export", str(out), str(exp)).returncode == 0
+    r = run_cli("export", str(out), str(exp))
+    assert r.returncode == 2 and "exists; pass --force to overwrite it" in r.stderr
+    assert run_cli("export", str(out), str(exp), "--force").returncode == 0
+    r = run_cli("query", str(out), "SELECT 1", "--max-rows", "0")
+    assert r.returncode == 2 and "Invalid value for '--max-rows'" in r.stderr
+
+
 def _bad_inputs(d: Path, case: str) -> None:
     if case == "missing column":
         pq.write_table(pa.table({"id": [100], "text": ["x"]}), d / "z.parquet")
@@ -387,6 +418,11 @@ def test_a_run_starting_here_checks_its_engine_arguments_on_this_machine(tmp_pat
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not (out / "plan.json").exists()
         assert run_cli(*base, "-o", str(tmp_path / arg), "--engine-arg", arg, "--plan-only").returncode == 0
+    r = run_cli(
+        "eval", "-m", str(tmp_path / "model"), "-o", str(tmp_path / "ev"), "--engine-arg", "device=cuda"
+    )
+    assert r.returncode == 2 and "device=cuda: this machine has no CUDA GPU" in r.stderr, r.stderr
+    assert not (tmp_path / "ev").exists()  # eval has no --force-new-plan: a plan here could not be corrected
 
 
 def test_engine_arg_checks_take_the_loaders_arguments():

@@ -93,14 +93,14 @@ def eval_command(
     from batchinfer.demo.tasks import get_task
     from batchinfer.jobs import plan as plans
     from batchinfer.jobs import tasks as job_tasks
-    from batchinfer.jobs.engines import check_args, parse_args
+    from batchinfer.jobs.engines import check_args_here, parse_args
 
     try:
         names = [get_task(t.strip()).name for t in tasks.split(",")] if tasks else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--tasks") from None
     engine_args = parse_args(engine_arg)
-    check_args(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
+    check_args_here(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
     job_dir = output.resolve()
     if job_dir.exists() and not job_dir.is_dir():
         raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")

@@ -9,8 +9,17 @@ import click
 @click.argument("job_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("sql")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the rows to FILE.parquet or FILE.csv.")
-@click.option("--max-rows", type=int, default=40, show_default=True, help="Rows to print (table output).")
-def query_command(job_dir: str, sql: str, out: str | None, max_rows: int) -> None:
+@click.option(
+    "--force", is_flag=True, help="Overwrite the --out file if it exists (never the job's own files)."
+)
+@click.option(
+    "--max-rows",
+    type=click.IntRange(min=1),
+    default=40,
+    show_default=True,
+    help="Rows to print (table output).",
+)
+def query_command(job_dir: str, sql: str, out: str | None, force: bool, max_rows: int) -> None:
     """Run SQL over the views `results` (every committed row, every attempt), `latest` (the rows of each
     id's latest attempt: one per id for text jobs, one per image, prompt and instance for image jobs) and
     `inputs` (the input files, when reachable). Safe while workers run.
@@ -19,6 +28,8 @@ def query_command(job_dir: str, sql: str, out: str | None, max_rows: int) -> Non
     """
     from batchinfer.jobs import query
 
+    if out:
+        query.check_out(job_dir, out, force)
     con = query.connect(job_dir)
     if out:
         rows = query.write_relation(con, sql, out, {})
