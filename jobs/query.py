@@ -39,6 +39,7 @@ def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with the job's views defined."""
     plan = Plan.load(job_dir)
     con = duckdb.connect()
+    con.execute("SET python_enable_replacements = false")  # else a missing view reads a Python variable
     glob = str(plan.job_dir / commit.RESULTS_GLOB)
     if any((plan.job_dir / commit.SHARDS_DIR).glob("*/*.parquet")):
         con.execute(f"CREATE VIEW results AS SELECT * FROM read_parquet({_sql_str(glob)})")
@@ -53,11 +54,20 @@ def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def _failed(e: duckdb.Error) -> InputError:
+    hint = (
+        " (the view inputs exists while all the job's input files do)"
+        if "name inputs does not" in str(e)
+        else ""
+    )
+    return InputError(f"query failed: {e}{hint}")
+
+
 def run_sql(con: duckdb.DuckDBPyConnection, sql: str) -> duckdb.DuckDBPyRelation | None:
     try:
         return con.sql(sql)
     except duckdb.Error as e:
-        raise InputError(f"query failed: {e}") from None
+        raise _failed(e) from None
 
 
 def check_out(job_dir: str | Path, out: str | Path, force: bool) -> None:
@@ -99,7 +109,7 @@ def write_relation(
         rows = con.execute(f"SELECT count(*) FROM ({query})").fetchone()[0]
     except duckdb.Error as e:
         tmp.unlink(missing_ok=True)
-        raise InputError(f"query failed: {e}") from None
+        raise _failed(e) from None
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, out)

@@ -41,6 +41,10 @@ class SlurmError(BatchinferError):
     """sbatch/squeue failed or is missing."""
 
 
+# sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]], or no limit
+_SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|infinite|unlimited", re.IGNORECASE)
+
+
 @dataclass(slots=True)
 class SlurmOptions:
     """What goes into the #SBATCH header. Saved per job dir so `--retry` reuses it."""
@@ -68,6 +72,18 @@ class SlurmOptions:
         for arg in self.sbatch_args:
             if not arg.startswith("-"):
                 raise InputError(f"--sbatch-arg {arg!r}: expected an sbatch option such as --constraint=h200")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise InputError(f"--cpus-per-task must be >= 1, got {self.cpus_per_task}")
+        if self.time is not None and not _SLURM_TIME.fullmatch(self.time):
+            raise InputError(f"--time {self.time!r}: expected a Slurm time such as 90, 4:00:00 or 1-12:00:00")
+        if self.mem is not None and not re.fullmatch(r"\d+[KMGT]?", self.mem):
+            raise InputError(f"--mem {self.mem!r}: expected a size such as 64G or 512000 (megabytes)")
+        for name in ("partition", "account", "qos", "job_name", "sbatch_args"):
+            values = getattr(self, name)
+            for value in values if isinstance(values, list) else [values]:
+                if value is not None and (not value or any(c.isspace() for c in value)):
+                    flag = "--sbatch-arg" if name == "sbatch_args" else "--" + name.replace("_", "-")
+                    raise InputError(f"{flag} {value!r}: expected a value without spaces or newlines")
 
     def sbatch_lines(self) -> list[str]:
         lines = [

@@ -49,6 +49,8 @@ def load_spec(path: str | Path) -> dict[str, Any]:
         raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'} ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object of run arguments, found {type(raw).__name__}")
     for key, value in raw.items():
         if key in SAMPLING_KEYS:
             raise ConfigError(
@@ -58,6 +60,14 @@ def load_spec(path: str | Path) -> dict[str, Any]:
         if key not in TOP_KEYS:
             raise ConfigError(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(TOP_KEYS))}")
         _check_type(path, key, value, TOP_KEYS[key])
+    for key, item_type in (("input", str), ("keep_columns", str), ("sampling.stop", str)):
+        table, _, name = key.rpartition(".")
+        items = raw.get(table, {}).get(name) if table else raw.get(name)
+        if isinstance(items, list) and not all(isinstance(i, item_type) for i in items):
+            raise ConfigError(f"{path}: key {key!r}: expected a list of strings, found {items!r}")
+    for key in ("shards", "chunk_rows"):
+        if key in raw and raw[key] < 1:
+            raise ConfigError(f"{path}: key {key!r}: expected a whole number >= 1, found {raw[key]}")
     if raw.get("progress", "bar") not in ("bar", "json", "none"):
         raise ConfigError(f"{path}: key 'progress': expected bar, json or none, found {raw['progress']!r}")
     for key, value in raw.get("sampling", {}).items():

@@ -144,6 +144,9 @@ def test_export_and_query_out_never_overwrite_the_jobs_files(tmp_path):
     assert run_cli("export", str(out), str(exp), "--force").returncode == 0
     r = run_cli("query", str(out), "SELECT 1", "--max-rows", "0")
     assert r.returncode == 2 and "Invalid value for '--max-rows'" in r.stderr
+    paths[1].rename(tmp_path / "moved.parquet")  # the inputs view is gone, not a Python variable's scan
+    r = run_cli("query", str(out), "SELECT count(*) FROM inputs")
+    assert r.returncode == 2 and "the view inputs exists while all the job's input files do" in r.stderr
 
 
 def _bad_inputs(d: Path, case: str) -> None:
@@ -292,6 +295,15 @@ def test_spec_file_and_examples(tmp_path):
     spec.write_text("max_tokens = 4\n")  # a `run` flag, but its spec key lives in [sampling]
     r = run_cli("run", str(spec))
     assert r.returncode == 2 and "'max_tokens' is a sampling parameter; put it in the sampling" in r.stderr
+    for name, text, message in (
+        ("list.json", "[1, 2]", "expected a JSON object of run arguments, found list"),
+        ("job.toml", "input = [1]\n", "key 'input': expected a list of strings, found [1]"),
+        ("job.toml", "shards = 0\n", "key 'shards': expected a whole number >= 1, found 0"),
+        ("job.toml", "[sampling]\nstop = [1]\n", "key 'sampling.stop': expected a list of strings"),
+    ):
+        (tmp_path / name).write_text(text)
+        r = run_cli("run", str(tmp_path / name))
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     examples = sorted((REPO / "jobs" / "examples").glob("*.toml"))
     assert examples
     for ex in examples:

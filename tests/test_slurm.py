@@ -5,6 +5,7 @@ tests/test_slurm_cluster.py runs the same script on a real single-node Slurm.
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -118,6 +119,18 @@ def test_options_render_into_sbatch_header():
         slurm.SlurmOptions(sbatch_args=["constraint=h200"])
     with pytest.raises(InputError, match="--max-running must be >= 1, got 0"):
         slurm.SlurmOptions(max_running=0)
+    for ok in ("90", "30:00", "4:00:00", "2-00", "1-12:00", "1-12:00:00", "UNLIMITED"):
+        assert slurm.SlurmOptions(time=ok).time == ok
+    for kwargs, message in (
+        ({"time": "banana"}, "--time 'banana': expected a Slurm time"),
+        ({"time": "-5"}, "--time '-5': expected a Slurm time"),
+        ({"mem": "lots"}, "--mem 'lots': expected a size"),
+        ({"cpus_per_task": 0}, "--cpus-per-task must be >= 1, got 0"),
+        ({"job_name": "a b\n#SBATCH --x"}, "--job-name 'a b\\n#SBATCH --x': expected a value without spaces"),
+        ({"sbatch_args": ["--comment=a\nb"]}, "--sbatch-arg '--comment=a\\nb': expected a value without"),
+    ):
+        with pytest.raises(InputError, match=re.escape(message)):
+            slurm.SlurmOptions(**kwargs)
 
 
 def _header(script: Path) -> list[str]:
