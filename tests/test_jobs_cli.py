@@ -283,6 +283,15 @@ def test_spec_file_and_examples(tmp_path):
     assert run_cli("run", str(spec)).returncode == 0
     r = run_cli("run", str(spec), "--max-tokens", "5")  # flags override the file, so this is a different job
     assert r.returncode == 2 and "max_tokens" in r.stderr
+    original = spec.read_text()
+    spec.write_text(original + '[engine_args]\nfail_marker = "FAIL"\n')
+    r = run_cli(
+        "run", str(spec), "-o", str(tmp_path / "merged"), "--engine-arg", "max_context=100", "--plan-only"
+    )
+    assert r.returncode == 0, r.stderr  # the flag adds its key to the file's table
+    args = json.loads((tmp_path / "merged" / "plan.json").read_text())["engine"]["args"]
+    assert args == {"fail_marker": "FAIL", "max_context": "100"}
+    spec.write_text(original)
     spec.write_text(spec.read_text().replace("[sampling]", 'progress = "json"\n[sampling]'))
     r = run_cli("run", str(spec))
     assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["event"] == "end"

@@ -104,7 +104,8 @@ def _merge(spec_file: str | None, flags: dict[str, Any]) -> dict[str, Any]:
         merged["sampling"] = sampling
     for key, value in flags.items():
         if value not in (None, ()):
-            merged[key] = value
+            # --engine-arg KEY=VALUE overrides that key of the spec's [engine_args], as flags do [sampling]'s
+            merged[key] = {**merged.get(key, {}), **value} if key == "engine_args" else value
     return merged
 
 
