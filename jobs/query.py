@@ -73,15 +73,13 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str) -> duckdb.DuckDBPyRelation
 def check_out(job_dir: str | Path, out: str | Path, force: bool) -> None:
     """Refuse an output file that is one of the job's own (an input file, anything in the job directory:
     overwriting a committed chunk corrupts the job, an input stops its resume), an existing file unless
-    `force`, and a path under a file."""
+    `force`, and a path under a file (a folder OUT is click's `dir_okay=False` to refuse)."""
     plan = Plan.load(job_dir)
     path = Path(out).expanduser().resolve()
     if path == plan.job_dir or plan.job_dir in path.parents:
         raise InputError(f"{out}: inside the job directory {plan.job_dir}; write the file elsewhere")
     if any(path == Path(f.path).resolve() for f in plan.inputs):
         raise InputError(f"{out}: an input file of the job in {plan.job_dir}; write the file elsewhere")
-    if path.is_dir():
-        raise InputError(f"{out}: a folder; expected a .parquet or .csv file name")
     if path.exists() and not force:
         raise InputError(f"{out}: exists; pass --force to overwrite it")
     blocked = next((d for d in path.parents if d.exists() and not d.is_dir()), None)

@@ -60,10 +60,10 @@ def load_spec(path: str | Path) -> dict[str, Any]:
         if key not in TOP_KEYS:
             raise ConfigError(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(TOP_KEYS))}")
         _check_type(path, key, value, TOP_KEYS[key])
-    for key, item_type in (("input", str), ("keep_columns", str), ("sampling.stop", str)):
-        table, _, name = key.rpartition(".")
-        items = raw.get(table, {}).get(name) if table else raw.get(name)
-        if isinstance(items, list) and not all(isinstance(i, item_type) for i in items):
+    lists = {"input": raw.get("input"), "keep_columns": raw.get("keep_columns"),
+             "sampling.stop": raw.get("sampling", {}).get("stop")}  # fmt: skip
+    for key, items in lists.items():
+        if isinstance(items, list) and not all(isinstance(i, str) for i in items):
             raise ConfigError(f"{path}: key {key!r}: expected a list of strings, found {items!r}")
     for key in ("shards", "chunk_rows"):
         if key in raw and raw[key] < 1:
