@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from batchinfer.engine.api import TextRequest, TextResult
+from batchinfer.errors import ConfigError
 
 
 class EchoEngine:
@@ -27,10 +28,24 @@ class EchoEngine:
         max_context: str = "2048",
     ) -> None:
         self.model_path = str(model_path)
-        self.delay = float(delay)
+        self.delay, self.max_context = self.check_args(delay=delay, max_context=max_context)
         self.fail_marker = fail_marker
         self.crash_marker = crash_marker
-        self.max_context = int(max_context)
+
+    @staticmethod
+    def check_args(delay: str = "0", max_context: str = "2048", **_markers: str) -> tuple[float, int]:
+        """The numeric options parsed, or a ConfigError naming the bad one (run by jobs.engines.check_args
+        before a plan records them)."""
+        try:
+            seconds = float(delay)
+        except ValueError:
+            seconds = -1.0
+        if not seconds >= 0:  # also refuses nan
+            raise ConfigError(f"--engine-arg delay={delay}: expected seconds >= 0")
+        words = int(max_context) if max_context.strip().isdigit() else 0
+        if words < 1:
+            raise ConfigError(f"--engine-arg max_context={max_context}: expected a whole number >= 1")
+        return seconds, words
 
     def describe(self) -> dict[str, str]:
         return {"engine": "echo", "model": self.model_path, "quantization": "none", "device": "cpu"}

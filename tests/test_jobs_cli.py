@@ -334,6 +334,10 @@ def test_engine_and_usage_errors(tmp_path):
         "it accepts delay, fail_marker, crash_marker, max_context"
     )
     assert not (tmp_path / "typo" / "plan.json").exists()  # refused before the plan records it
+    for arg, expected in (("max_context=abc", "a whole number >= 1"), ("delay=-1", "seconds >= 0")):
+        r = run_cli(*echo_args(tmp_path, tmp_path / "bad", "--engine-arg", arg))  # was a traceback at load
+        assert r.returncode == 2 and f"--engine-arg {arg}: expected {expected}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "bad" / "plan.json").exists()
     r = run_cli(*echo_args(tmp_path, tmp_path / "zero", "--shards", "0"))  # was taken as "default"
     assert r.returncode == 2 and "Invalid value for '--shards': 0 is not in the range x>=1" in r.stderr
     r = run_cli("run", *echo_args(tmp_path, tmp_path / "o2")[1:], "--shard", "9")
