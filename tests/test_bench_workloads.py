@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from jobs_fixtures import run_cli
 
 from batchinfer.bench.accuracy_lock import AccuracyLockError
 from batchinfer.bench.e2e import ReferenceTokenEngine, measure
@@ -213,7 +214,21 @@ def test_cli_breakdown_checks_its_model_and_needs_a_gpu():
     res = runner.invoke(
         cli, ["bench", "breakdown", "--preset", "tiny-qwen3-moe", "--random", "--device", "cpu"]
     )
-    assert res.exit_code == 1 and "profiles CUDA kernels; --device cpu is not a GPU" in res.output
+    assert isinstance(res.exception, ConfigError)  # the console script prints it as "error: ...", exit 2
+    assert "profiles CUDA kernels; --device cpu is not a CUDA GPU" in str(res.exception)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cli_gpu_benchmarks_refuse_a_machine_without_one_alike():
+    # exit 2 and one line each from the console script: kernels used to exit 1, the others 2
+    for args, expected in (
+        (["kernels"], "bench kernels needs a CUDA GPU; torch sees none on this machine"),
+        (["breakdown", "--preset", "tiny-qwen3-moe", "--random"], "torch sees no CUDA GPU on this machine"),
+        (["images", "--workload", "images-1p", "--preset", "sam3", "--random", "--breakdown"],
+         "--breakdown profiles CUDA kernels; --device auto is cpu, not a CUDA GPU"),
+    ):  # fmt: skip
+        res = run_cli("bench", *args)
+        assert res.returncode == 2 and expected in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 def test_breakdown_groups_every_deltanet_kernel_as_its_rule():

@@ -11,6 +11,7 @@ import os
 import click
 
 from batchinfer.cli.options import make_parent
+from batchinfer.errors import ConfigError
 
 
 def _llm_weights(f):
@@ -72,13 +73,13 @@ def bench() -> None:
 )
 def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str | None) -> None:
     """Time every kernel at the real shapes of the model(s) against PyTorch baselines and measured
-    ceilings (copy bandwidth, cuBLAS bf16 GEMM); prints a markdown table."""
+    ceilings (copy bandwidth, cuBLAS bf16 GEMM) on this machine's CUDA GPU; prints a markdown table."""
     import torch
 
     from batchinfer.bench.kernels import M_VALUES, collect_cases, environment, format_table, run_cases
 
     if not torch.cuda.is_available():
-        raise click.ClickException("bench kernels needs a CUDA GPU; none is visible to PyTorch")
+        raise ConfigError("bench kernels needs a CUDA GPU; torch sees none on this machine")
     models = ["qwen3.6", "qwen3-30b"] if model == "all" else [model]
     cases = [c for c in collect_cases(models, ms or M_VALUES) if not ops or c.op in ops]
     if not cases:
@@ -151,7 +152,7 @@ def breakdown_cmd(
 
     dev = resolve_device(device)
     if dev.type != "cuda":
-        raise click.ClickException(f"bench breakdown profiles CUDA kernels; --device {device} is not a GPU")
+        raise ConfigError(f"bench breakdown profiles CUDA kernels; --device {device} is not a CUDA GPU")
     if model_path is not None:
         config, weights = load_checkpoint(model_path, device=dev, dtype=torch.bfloat16)
     else:
@@ -605,7 +606,9 @@ def images(
     work = image_workload(workload, max_images=max_images, workloads=load_workloads(workloads_file))
     dev = resolve_device(device)
     if breakdown and dev.type != "cuda":
-        raise click.UsageError(f"--breakdown profiles CUDA kernels; --device {device} is not a GPU")
+        raise click.UsageError(
+            f"--breakdown profiles CUDA kernels; --device {device} is {dev}, not a CUDA GPU"
+        )
     run_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         dtype or ("fp32" if dev.type == "cpu" else "bf16")
     ]
