@@ -49,7 +49,7 @@ def test_make_checkpoint_refuses_to_overwrite_without_force(tmp_path):
     out = tmp_path / "ck"
     assert _run("make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(out)).exit_code == 0
     with pytest.raises(
-        CheckpointError, match=rf"{out}: already holds a checkpoint; pass --force to overwrite it"
+        CheckpointError, match=rf"{out}: already holds a checkpoint; pass --force to replace it"
     ):
         _run("make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(out))
     res = _run(
@@ -58,6 +58,32 @@ def test_make_checkpoint_refuses_to_overwrite_without_force(tmp_path):
     assert res.exit_code == 0 and (out / "hf_quant_config.json").exists()
     _, w = load_checkpoint(out)
     assert isinstance(w["layers.0.mlp.experts.0.up_proj"], NVFP4Weight)
+
+
+def test_force_replaces_every_file_of_the_old_checkpoint_and_nothing_else(tiny_checkpoint, tmp_path):
+    out = tmp_path / "ck"
+    _run("make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(out), "--quant", "nvfp4")
+    (out / "README.md").write_text("the old checkpoint's card")
+    (out / "keep").mkdir()
+    res = _run("make-checkpoint", "--preset", "tiny-sam3", "--out", str(out), "--force")
+    # the LLM's config.json beside sam3.safetensors made the folder a broken LLM checkpoint, counted 8 files
+    assert res.exit_code == 0 and res.output.rstrip().endswith("1 file, 7.57 MB")
+    assert sorted(p.name for p in out.iterdir()) == ["keep", "sam3.safetensors"]
+    user = tmp_path / "home"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    for args in (
+        ["make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(user), "--force"],
+        ["quantize", str(tiny_checkpoint("tiny-qwen3-moe")), str(user), "--scheme", "nvfp4", "--force"],
+    ):  # a non-empty folder without a checkpoint was written into, with or without --force
+        with pytest.raises(CheckpointError, match=rf"{user}: is not empty and holds no checkpoint"):
+            _run(*args)
+    assert [p.name for p in user.iterdir()] == ["notes.txt"]
+    src = tiny_checkpoint("tiny-qwen3-moe")
+    before = sorted(p.name for p in src.iterdir())
+    with pytest.raises(CheckpointError, match="the destination must differ from the source folder"):
+        _run("quantize", str(src), str(src), "--scheme", "nvfp4", "--force")
+    assert sorted(p.name for p in src.iterdir()) == before  # checked before --force clears the folder
 
 
 def test_unwritable_out_folder_is_refused_before_any_work(tiny_checkpoint, tmp_path):
@@ -113,7 +139,7 @@ def test_empty_output_folder_is_refused_not_taken_as_the_current_one(tiny_checkp
 def test_a_sam3_pt_checkpoint_is_not_overwritten_without_force(tmp_path):
     args = ["make-checkpoint", "--preset", "tiny-sam3", "--format", "pt", "--out", str(tmp_path)]
     (tmp_path / "sam3.pt").write_bytes(b"a real checkpoint")
-    with pytest.raises(CheckpointError, match="already holds a checkpoint; pass --force to overwrite it"):
+    with pytest.raises(CheckpointError, match="already holds a checkpoint; pass --force to replace it"):
         _run(*args)
     assert (tmp_path / "sam3.pt").read_bytes() == b"a real checkpoint"
     assert _run(*args, "--force").exit_code == 0

@@ -13,6 +13,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,17 +78,9 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def quantize_checkpoint(
-    src: str | Path,
-    dst: str | Path,
-    *,
-    scheme: str,
-    device: str = "cpu",
-    method: str = MODELOPT,
-) -> Path:
-    """Quantize the unquantized HF checkpoint `src` into `dst` (see the module doc for the schemes), in
-    ModelOpt's layout or, with `method="compressed-tensors"`, as `nvfp4-pack-quantized` (NVFP4 only)."""
-    src, dst = Path(src), Path(dst)
+def check_quantize(src: Path, dst: Path, scheme: str, method: str) -> dict[str, Any]:
+    """SRC's raw config after the checks that need no weights, run before `quantize` clears DST (a DST
+    equal to SRC would otherwise lose SRC's files to --force)."""
     if scheme not in SCHEMES:
         raise CheckpointError(f"unknown scheme {scheme!r}; available: {', '.join(SCHEMES)}")
     if method == COMPRESSED_TENSORS and scheme != "nvfp4":
@@ -101,6 +94,21 @@ def quantize_checkpoint(
         raise CheckpointError(f"{src}: already quantized; `quantize` needs a BF16/FP16/FP32 checkpoint")
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"{dst}: the destination must differ from the source folder")
+    return raw
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    scheme: str,
+    device: str = "cpu",
+    method: str = MODELOPT,
+) -> Path:
+    """Quantize the unquantized HF checkpoint `src` into `dst` (see the module doc for the schemes), in
+    ModelOpt's layout or, with `method="compressed-tensors"`, as `nvfp4-pack-quantized` (NVFP4 only)."""
+    src, dst = Path(src), Path(dst)
+    raw = check_quantize(src, dst, scheme, method)
     cfg, weights = load_checkpoint(src, device=device)
     quantize_weights(weights, cfg, scheme)
     counts = {

@@ -13,14 +13,30 @@ PRESETS = ("qwen3.6-35b-a3b", "qwen3-30b-a3b", "tiny-qwen3.5-moe", "tiny-qwen3-m
 SAM3_PRESETS = ("sam3", "tiny-sam3")
 
 
+def holds_checkpoint(folder: Path) -> bool:
+    """A Hugging Face checkpoint (config.json, safetensors) or Meta's sam3.pt."""
+    return any(
+        (folder / "config.json").exists() or next(folder.glob(p), None) for p in ("*.safetensors", "*.pt")
+    )
+
+
 def check_out_dir(out: Path, force: bool) -> None:
-    """Refuse to write into a folder that already holds a checkpoint (unless --force) or that cannot be
-    created, before any weights are drawn or quantized."""
+    """Before any weights are drawn: refuse a folder that cannot be created, a non-empty one that holds no
+    checkpoint (nothing is written among a user's files), and one that holds a checkpoint unless --force,
+    which removes that checkpoint's files (every file at its top level) so none is left beside the new one."""
     if out.is_file():
         raise CheckpointError(f"{out}: exists and is a file; expected a folder")
-    held = [*out.glob("*.safetensors"), *out.glob("*.pt"), out / "config.json"] if out.is_dir() else []
-    if not force and any(f.exists() for f in held):  # *.pt: a SAM 3 checkpoint in Meta's format
-        raise CheckpointError(f"{out}: already holds a checkpoint; pass --force to overwrite it")
+    if out.is_dir() and any(out.iterdir()):
+        if not holds_checkpoint(out):
+            raise CheckpointError(
+                f"{out}: is not empty and holds no checkpoint; expected a new or empty folder (or a "
+                "checkpoint to replace with --force)"
+            )
+        if not force:
+            raise CheckpointError(f"{out}: already holds a checkpoint; pass --force to replace it")
+        for path in out.iterdir():
+            if path.is_file() or path.is_symlink():
+                path.unlink()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -28,14 +44,11 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 
 def describe(out: Path) -> str:
-    """'5 files, 12.3 MB' for the summary line."""
+    """'5 files, 12.3 MB' (the files at the folder's top level) for the summary line."""
     files = [p for p in out.iterdir() if p.is_file()]
     size = sum(p.stat().st_size for p in files)
-    return (
-        f"{len(files)} files, {size / 1e9:.2f} GB"
-        if size >= 1e9
-        else f"{len(files)} files, {size / 1e6:.2f} MB"
-    )
+    amount = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.2f} MB"
+    return f"{len(files)} file{'s' if len(files) != 1 else ''}, {amount}"
 
 
 def check_device(device: str) -> None:
@@ -87,7 +100,9 @@ def check_device(device: str) -> None:
     is_flag=True,
     help="Seeded random weights: what this command always writes (accepted so commands can say so).",
 )
-@click.option("--force", is_flag=True, help="Overwrite a checkpoint already in --out.")
+@click.option(
+    "--force", is_flag=True, help="Replace a checkpoint already in --out (its files are removed first)."
+)
 def make_checkpoint_command(
     preset: str, out: Path, quant: str, seed: int, device: str, fmt: str, random_weights: bool, force: bool
 ) -> None:

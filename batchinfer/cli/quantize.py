@@ -34,7 +34,9 @@ from batchinfer.cli.options import output_folder
     type=click.Choice(["cpu", "cuda"]),
     help="Where the weights are loaded and quantized.",
 )
-@click.option("--force", is_flag=True, help="Overwrite a checkpoint already in DST.")
+@click.option(
+    "--force", is_flag=True, help="Replace a checkpoint already in DST (its files are removed first)."
+)
 def quantize_command(src: Path, dst: Path, scheme: str, fmt: str, device: str, force: bool) -> None:
     """Quantize the BF16 (or FP16/FP32) checkpoint SRC into DST, weight-only.
 
@@ -53,9 +55,10 @@ def quantize_command(src: Path, dst: Path, scheme: str, fmt: str, device: str, f
     is meant for weight-only (W4A16 / W8A16) inference. Experts are written per expert; a tied
     lm_head stays tied and unquantized. Tokenizer and generation files are copied from SRC.
     """
-    from batchinfer.checkpoint.quantize import quantize_checkpoint
+    from batchinfer.checkpoint.quantize import check_quantize, quantize_checkpoint
 
     check_device(device)
+    check_quantize(src, dst, scheme, fmt)
     check_out_dir(dst, force)
     quantize_checkpoint(src, dst, scheme=scheme, device=device, method=fmt)
     click.echo(f"wrote {dst}: scheme {scheme}, {fmt} layout; {describe(dst)}")
