@@ -66,6 +66,11 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# The roles Qwen's chat templates render; a message with any other role is left out of the prompt without
+# a word, so it is refused instead.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check a chat is a non-empty list of {role: str, content: str} dicts; InputError names the fault."""
     if not isinstance(messages, list) or not messages:
@@ -80,9 +85,13 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 raise InputError(f"messages[{i}] has no {key!r} key (keys: {sorted(m)})")
             if not isinstance(m[key], str):
                 raise InputError(f"messages[{i}].{key} must be a string, got {_brief(m[key])}")
-        if not m["role"]:
-            raise InputError(f"messages[{i}].role is empty")
+        if m["role"] not in CHAT_ROLES:
+            raise InputError(unknown_role(i, m["role"]))
     return messages
+
+
+def unknown_role(i: int, role: str) -> str:
+    return f"messages[{i}].role is {role!r}; expected one of {', '.join(CHAT_ROLES)}"
 
 
 def _brief(x: Any) -> str:

@@ -24,6 +24,7 @@ from batchinfer.schemas import loader
 
 from batchinfer.engine.api import FINISH_REASONS, SamplingParams, TextRequest, TextResult
 from batchinfer.errors import InputError
+from batchinfer.tokenizer import CHAT_ROLES, unknown_role
 
 if TYPE_CHECKING:
     from batchinfer.jobs.plan import Plan
@@ -54,8 +55,8 @@ def _check_messages(messages: Any) -> str | None:
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 return f"messages[{i}].{key} is null; expected a string"
-        if not m["role"]:
-            return f"messages[{i}].role is empty"
+        if m["role"] not in CHAT_ROLES:
+            return unknown_role(i, m["role"])
     return None
 
 

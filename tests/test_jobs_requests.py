@@ -34,13 +34,23 @@ def test_derive_seed_known_value():
 def test_row_level_problems_become_error_results():
     msgs_ok = [{"role": "user", "content": "hi", "name": None}]
     cols = _cols(
-        id=[1, 2, 3, 4, 5, 6, 7, 8],
-        prompt=["fine", None, "both", None, None, None, "bad temp", "x"],
-        messages=[None, None, msgs_ok, msgs_ok, [], [{"role": "user", "content": None}], None, None],
-        temperature=[None, None, None, None, None, None, -1.0, None],
-        seed=[None, None, None, None, None, None, None, 42],
-        stop=[None] * 7 + [["\n", None, ""]],
-        max_tokens=[None] * 7 + [3],
+        id=[1, 2, 3, 4, 5, 6, 7, 8, 9],
+        prompt=["fine", None, "both", None, None, None, "bad temp", "x", None],
+        messages=[
+            None,
+            None,
+            msgs_ok,
+            msgs_ok,
+            [],
+            [{"role": "user", "content": None}],
+            None,
+            None,
+            [{"role": "User", "content": "hi"}],
+        ],
+        temperature=[None, None, None, None, None, None, -1.0, None, None],
+        seed=[None, None, None, None, None, None, None, 42, None],
+        stop=[None] * 7 + [["\n", None, ""], None],
+        max_tokens=[None] * 7 + [3, None],
     )
     reqs, errors, seeds = rq.build_requests(cols, {"max_tokens": 16, "temperature": 0.5}, job_seed=9)
     assert [r.index for r in reqs] == [0, 3, 7]
@@ -56,6 +66,7 @@ def test_row_level_problems_become_error_results():
         4: "messages is an empty list",
         5: "messages[0].content is null; expected a string",
         6: "invalid sampling parameters: temperature must be a finite number >= 0, got -1.0",
+        8: "messages[0].role is 'User'; expected one of system, user, assistant, tool",  # a template drops it
     }
     assert all(e.finish_reason == "error" for e in errors)
     assert seeds[7] == 42 and seeds[1] == rq.derive_seed(9, 2)

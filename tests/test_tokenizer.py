@@ -172,8 +172,10 @@ def test_chat_template_file_wins_and_generation_tag(tmp_path):
 
 
 def test_template_exception_and_missing_template(tok, tmp_path):
-    with pytest.raises(InputError, match="chat template rejected the messages: Unknown role: robot"):
-        tok.apply_chat_template([{"role": "robot", "content": "beep"}])
+    with pytest.raises(InputError, match="chat template rejected the messages: Unknown role: tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "beep"}])  # a role this template lacks
+    with pytest.raises(InputError, match=r"messages\[0\].role is 'robot'; expected one of system"):
+        tok.apply_chat_template([{"role": "robot", "content": "beep"}])  # no Qwen template renders it
     bare = Tokenizer.from_pretrained(write_bytelevel(tmp_path / "bare", template=None))
     with pytest.raises(InputError, match="has no chat template"):
         bare.encode_chat([{"role": "user", "content": "hi"}])
@@ -200,7 +202,8 @@ def test_broken_chat_template_is_a_checkpoint_error_not_a_row_error(tmp_path):
         ([{"role": "user"}], r"messages\[0\] has no 'content' key"),
         ([{"role": "user", "content": ["a"]}], r"messages\[0\].content must be a string, got list \['a'\]"),
         ([{"role": 3, "content": "a"}], r"messages\[0\].role must be a string, got int 3"),
-        ([{"role": "", "content": "a"}], r"messages\[0\].role is empty"),
+        ([{"role": "", "content": "a"}], r"messages\[0\].role is ''; expected one of system, user"),
+        ([{"role": "usr", "content": "a"}], r"messages\[0\].role is 'usr'; expected one of system, user"),
     ],
 )
 def test_malformed_messages(messages, match):
