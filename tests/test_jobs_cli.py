@@ -530,6 +530,43 @@ def test_eval_rerun_keeps_the_jobs_heldout_set(tmp_path):
     )
     r = run_cli("run", "--output", str(ev), "--progress", "none")
     assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr
+    r = run_cli(*base[:-6], "--tasks", "sort,add", "--n-per-task", "2", "--max-tokens", "8")
+    assert (
+        r.returncode == 2
+        and "gives 4 prompts of add, sort (the same tasks in another --tasks order" in r.stderr
+    )
+    # --json never over the job's own files (a plan.json written over wrecked the job), nor an existing file
+    for target in (ev / "plan.json", ev / "heldout.parquet"):
+        r = run_cli(*base, "--json", str(target))
+        assert r.returncode == 2 and "inside the job directory" in r.stderr, r.stderr
+    assert (ev / "heldout.parquet").read_bytes() == heldout
+    r = run_cli(*base, "--json", str(tmp_path / "new" / "ev.json"))
+    assert r.returncode == 2 and "ev.json: exists; pass --force to overwrite it" in r.stderr
+    assert run_cli(*base, "--json", str(tmp_path / "new" / "ev.json"), "--force").returncode == 0
+    assert run_cli("status", str(ev)).returncode == 0
+    # another job's folder: refused without leaving a held-out file in it
+    r = run_cli(*base[:4], str(tmp_path / "run"), *base[5:])
+    assert r.returncode == 0
+    (tmp_path / "run" / "heldout.parquet").unlink()
+    r = run_cli(*base[:4], str(tmp_path / "run"), *base[5:])
+    assert r.returncode == 2 and "holds a job that is not an evaluation" in r.stderr
+    assert not (tmp_path / "run" / "heldout.parquet").exists()
+
+
+def test_eval_counts_skipped_rows_as_not_answered(tmp_path):
+    """Prompts beyond the context are skipped rows: the table used to show them as plain misses."""
+    ev = tmp_path / "ev"
+    r = run_cli("eval", "-m", str(REPO / "models" / "demo-qwen3.5-moe"), "-o", str(ev), "--progress", "none",
+                "--tasks", "add", "--n-per-task", "2", "--engine-arg", "max_model_len=4", "--json",
+                str(tmp_path / "ev.json"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "ev.json").read_text())["tasks"]["add"] == {
+        "rows": 2, "correct": 0, "exact_match": 0.0, "not_answered": 2
+    }  # fmt: skip
+    assert "add             2        0        0.000             2" in r.stdout
+    assert "2 rows ended in error or were skipped and count as wrong" in r.stderr
+    r = run_cli("eval", "-m", str(REPO / "models" / "demo-qwen3.5-moe"), "-o", str(ev), "--tasks", "")
+    assert r.returncode == 2 and "Invalid value for --tasks: empty; expected task names" in r.stderr
 
 
 def test_eval_refuses_an_empty_output_not_taking_the_current_folder(tmp_path, monkeypatch):

@@ -24,13 +24,21 @@ def _heldout(job_dir: Path, n_per_task: int, seed: int, tasks: list[str] | None)
     from batchinfer.jobs.commit import PLAN_FILE
 
     path = job_dir / "heldout.parquet"
-    if not ((job_dir / PLAN_FILE).exists() and path.is_file()):
+    if not (job_dir / PLAN_FILE).exists():
         return write_heldout(path, n_per_task, seed, tasks)
+    if not path.is_file():  # writing it there would leave a stray file in another job's folder
+        raise PlanMismatchError(
+            f"{job_dir}: holds a job that is not an evaluation (no heldout.parquet); use a new --output "
+            "directory"
+        )
     old, new = pq.read_table(path), heldout_table(n_per_task, seed, tasks)
     if not old.equals(new):
         flags = f"--n-per-task {n_per_task} --seed {seed}" + (f" --tasks {','.join(tasks)}" if tasks else "")
+        given = _prompts(new)
+        if given == _prompts(old):
+            given += " (the same tasks in another --tasks order draw other prompts)"
         raise PlanMismatchError(
-            f"{path}: this evaluation job's held-out set is {_prompts(old)}; {flags} gives {_prompts(new)}. "
+            f"{path}: this evaluation job's held-out set is {_prompts(old)}; {flags} gives {given}. "
             "Rerun with the job's own --n-per-task, --seed and --tasks to resume, or use a new --output "
             "directory"
         )
@@ -70,6 +78,7 @@ def _prompts(table: pa.Table) -> str:
     callback=make_parent,
     help="Also write the figures as JSON.",
 )
+@click.option("--force", is_flag=True, help="Overwrite an existing --json file.")
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), help="Progress display.")
 def eval_command(
     model: str,
@@ -80,21 +89,31 @@ def eval_command(
     max_tokens: int,
     engine_arg: tuple[str, ...],
     json_out: str | None,
+    force: bool,
     progress: str | None,
 ) -> None:
     """Run held-out task prompts through MODEL as a normal job and report exact match per task.
 
     The prompts (chat messages, greedy decoding) go to OUTPUT/heldout.parquet, the job runs in
     OUTPUT like `batchinfer run` (resumable), and the accuracy comes from a DuckDB query over the
-    results joined with the expected answers. Prints a table; --json writes the same figures.
+    results joined with the expected answers. Prints a table; --json writes the same figures. Error and
+    skipped rows count as wrong and are shown as "not answered"; a job with shards still running elsewhere
+    is not scored.
     """
     from batchinfer.cli.run import default_progress, execute
     from batchinfer.demo.evaluate import accuracy
     from batchinfer.demo.tasks import get_task
+    from batchinfer.jobs import attempts
     from batchinfer.jobs import plan as plans
     from batchinfer.jobs import tasks as job_tasks
     from batchinfer.jobs.engines import check_args_here, parse_args
+    from batchinfer.jobs.query import check_out
+    from batchinfer.jobs.worker import EXIT_STOPPED
 
+    if tasks is not None and not tasks.strip(", "):
+        raise click.BadParameter(
+            "empty; expected task names (leave --tasks out for all)", param_hint="--tasks"
+        )
     try:
         names = [get_task(t.strip()).name for t in tasks.split(",")] if tasks else None
     except ValueError as e:
@@ -124,13 +143,32 @@ def eval_command(
         ),
         hint="Rerun with the original arguments to resume, or use a new --output directory",
     )
+    if json_out:
+        check_out(job_dir, json_out, force)  # never over the job's own files; an existing one needs --force
     code = execute(plan, list(range(plan.num_shards)), progress or default_progress())
     if code:
         raise SystemExit(code)
+    running = attempts.incomplete_shards(plan)
+    if running:  # another runner holds them: scoring now would count their rows as missing
+        click.echo(
+            f"{job_dir}: {len(running)} of {plan.num_shards} shard(s) are still being run by another runner; "
+            f"not scored, rerun eval once they finish (exit {EXIT_STOPPED})",
+            err=True,
+        )
+        raise SystemExit(EXIT_STOPPED)
     figures = {"model": model, "n_per_task": n_per_task, "seed": seed, **accuracy(job_dir)}
-    click.echo(f"{'task':<10} {'rows':>6} {'correct':>8} {'exact match':>12}")
+    click.echo(f"{'task':<10} {'rows':>6} {'correct':>8} {'exact match':>12} {'not answered':>13}")
     for task, t in figures["tasks"].items():
-        click.echo(f"{task:<10} {t['rows']:>6} {t['correct']:>8} {t['exact_match']:>12.3f}")
+        click.echo(
+            f"{task:<10} {t['rows']:>6} {t['correct']:>8} {t['exact_match']:>12.3f} {t['not_answered']:>13}"
+        )
     click.echo(f"{'mean':<10} {'':>6} {'':>8} {figures['mean_exact_match']:>12.3f}")
+    unanswered = sum(t["not_answered"] for t in figures["tasks"].values())
+    if unanswered:
+        click.echo(
+            f"{unanswered} rows ended in error or were skipped and count as wrong; see "
+            f"`batchinfer status {job_dir}`",
+            err=True,
+        )
     if json_out:
         Path(json_out).write_text(json.dumps(figures, indent=2) + "\n")

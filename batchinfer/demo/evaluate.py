@@ -22,7 +22,8 @@ ACCURACY_SQL = """
 SELECT task,
        count(*) AS rows,
        sum(CASE WHEN trim(text) = trim(answer) THEN 1 ELSE 0 END) AS correct,
-       round(avg(CASE WHEN trim(text) = trim(answer) THEN 1.0 ELSE 0.0 END), 4) AS exact_match
+       round(avg(CASE WHEN trim(text) = trim(answer) THEN 1.0 ELSE 0.0 END), 4) AS exact_match,
+       sum(CASE WHEN finish_reason IN ('error', 'skipped') THEN 1 ELSE 0 END) AS not_answered
 FROM latest GROUP BY task ORDER BY task
 """.strip()
 
@@ -58,7 +59,10 @@ def accuracy(job_dir: str | Path) -> dict[str, Any]:
     from batchinfer.jobs.query import connect
 
     rows = connect(job_dir).sql(ACCURACY_SQL).fetchall()
-    per_task = {task: {"rows": n, "correct": int(c), "exact_match": float(em)} for task, n, c, em in rows}
+    per_task = {
+        task: {"rows": n, "correct": int(c), "exact_match": float(em), "not_answered": int(na)}
+        for task, n, c, em, na in rows
+    }  # not_answered: error and skipped rows, counted as wrong
     unknown = sorted(set(per_task) - set(TASKS))
     if unknown:
         raise ValueError(f"{job_dir}: results hold rows of unknown tasks {unknown}")
