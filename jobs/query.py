@@ -1,6 +1,6 @@
 """DuckDB over a job directory: views `results` (every committed row of every attempt), `latest` (the
 rows of each id's highest attempt: one row per id for text jobs, one per (image, prompt, instance) for
-image jobs) and `inputs` (the input files, when they are reachable).
+image jobs) and `inputs` (the input files, while they are readable and unchanged since the plan).
 
 Safe while workers run: only complete, renamed Parquet files match the glob, and committed files are
 never rewritten or deleted, so a query sees some prefix of the work, never a torn file.
@@ -47,16 +47,30 @@ def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
         con.register("_no_results", _empty_results(plan))
         con.execute("CREATE VIEW results AS SELECT * FROM _no_results")
     con.execute(f"CREATE VIEW latest AS {LATEST_SQL}")
-    files = [f.path for f in plan.inputs]
-    if all(os.path.exists(p) for p in files):
-        listing = ", ".join(_sql_str(p) for p in files)
-        con.execute(f"CREATE VIEW inputs AS SELECT * FROM read_parquet([{listing}], union_by_name = true)")
+    if all(_unchanged(f) for f in plan.inputs):  # else no view: a query on it says the files are needed
+        listing = ", ".join(_sql_str(f.path) for f in plan.inputs)
+        try:
+            con.execute(
+                f"CREATE VIEW inputs AS SELECT * FROM read_parquet([{listing}], union_by_name = true)"
+            )
+        except duckdb.Error:  # unreadable now; the results views do not need the inputs
+            pass
     return con
+
+
+def _unchanged(f: inputs.InputFile) -> bool:
+    """The input file is there with the size and fingerprint the plan recorded (a replaced file would be
+    queried as the job's input)."""
+    try:
+        size = os.path.getsize(f.path)
+        return size == f.size and inputs.fingerprint(Path(f.path), size) == f.fingerprint
+    except OSError:
+        return False
 
 
 def _failed(e: duckdb.Error) -> InputError:
     hint = (
-        " (the view inputs exists while all the job's input files do)"
+        " (the view inputs exists while the job's input files are readable and unchanged)"
         if "name inputs does not" in str(e)
         else ""
     )
@@ -74,6 +88,8 @@ def check_out(job_dir: str | Path, out: str | Path, force: bool) -> None:
     """Refuse an output file that is one of the job's own (an input file, anything in the job directory:
     overwriting a committed chunk corrupts the job, an input stops its resume), an existing file unless
     `force`, and a path under a file (a folder OUT is click's `dir_okay=False` to refuse)."""
+    if not str(out).strip():  # Path("") is the current folder
+        raise InputError(f"output file name {str(out)!r} is empty; expected a file name")
     plan = Plan.load(job_dir)
     path = Path(out).expanduser().resolve()
     if path == plan.job_dir or plan.job_dir in path.parents:
@@ -102,9 +118,10 @@ def write_relation(
         options = f"FORMAT parquet, COMPRESSION zstd, KV_METADATA {{{kv}}}" if kv else "FORMAT parquet"
     else:
         options = "FORMAT csv, HEADER true"
-    try:
-        con.execute(f"COPY ({query}) TO {_sql_str(str(tmp))} ({options})")
-        rows = con.execute(f"SELECT count(*) FROM ({query})").fetchone()[0]
+    try:  # through a view, whose statement ends with the query's: a trailing ; or -- comment is fine there
+        con.execute(f"CREATE OR REPLACE TEMP VIEW _written AS\n{query}")
+        con.execute(f"COPY _written TO {_sql_str(str(tmp))} ({options})")
+        rows = con.execute("SELECT count(*) FROM _written").fetchone()[0]
     except duckdb.Error as e:
         tmp.unlink(missing_ok=True)
         raise _failed(e) from None

@@ -12,6 +12,9 @@ import torch
 from images_fixtures import SHAPES, image_folder, scene
 from jobs_fixtures import BATCHINFER, run_cli
 
+from batchinfer.sam3.checkpoint import write_random_sam3
+from batchinfer.sam3.config import Sam3Config
+
 KEY = "id, prompt_index, instance"
 
 
@@ -118,12 +121,28 @@ def test_default_engine_without_a_model_file_is_refused_before_any_plan(tmp_path
     r = run_cli("segment", "-i", str(d), "-o", str(out), "-p", "red", "-m", str(tmp_path / "sam3"))
     assert r.returncode == 2 and "is a folder" in r.stderr and "it holds sam3.safetensors" in r.stderr
     assert not out.exists()
+    # a file that is no SAM 3 checkpoint: was recorded in the plan, failed at load, and the correct
+    # --model was then refused as a different job
+    from batchinfer.checkpoint.presets import write_preset
+
+    qwen = write_preset("tiny-qwen3-moe", tmp_path / "qwen") / "model.safetensors"
+    for model, message in (
+        (tmp_path / "sam3" / "sam3.safetensors", "not a readable safetensors file"),
+        (BATCHINFER, "not a readable torch checkpoint"),  # any file that is not one
+        (
+            qwen,
+            "no SAM 3 detector tensors (keys starting with 'detector.'); first keys found: lm_head.weight",
+        ),
+    ):
+        r = run_cli("segment", "-i", str(d), "-o", str(out), "-p", "red", "-m", str(model))
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not out.exists()
 
 
 def test_sam3_engine_arg_values_are_checked_before_the_plan(tmp_path):
     d = image_folder(tmp_path / "imgs", n=2)
     ckpt = tmp_path / "sam3.safetensors"
-    ckpt.write_bytes(b"not read before the run")
+    write_random_sam3(ckpt, Sam3Config.tiny(), seed=0)  # its tensors are not read before the run
     base = ["segment", "-i", str(d), "-p", "red", "-m", str(ckpt), "--progress", "none"]
     r = run_cli(*base, "-o", str(tmp_path / "bad"), "--engine-arg", "batch_size=abc")
     assert r.returncode == 2 and "batch_size='abc': expected a whole number >= 1" in r.stderr, r.stderr
@@ -136,7 +155,7 @@ def test_sam3_engine_arg_values_are_checked_before_the_plan(tmp_path):
 def test_a_segment_run_starting_here_needs_the_gpu_it_names(tmp_path):
     d = image_folder(tmp_path / "imgs", n=2)
     ckpt = tmp_path / "sam3.safetensors"
-    ckpt.write_bytes(b"not read before the run")
+    write_random_sam3(ckpt, Sam3Config.tiny(), seed=0)  # its tensors are not read before the run
     out = tmp_path / "here"
     r = run_cli("segment", "-i", str(d), "-p", "red", "-m", str(ckpt), "-o", str(out), "--engine-arg",
                 "device=cuda")  # fmt: skip

@@ -142,11 +142,24 @@ def test_export_and_query_out_never_overwrite_the_jobs_files(tmp_path):
     r = run_cli("export", str(out), str(exp))
     assert r.returncode == 2 and "exists; pass --force to overwrite it" in r.stderr
     assert run_cli("export", str(out), str(exp), "--force").returncode == 0
+    r = run_cli("export", str(out), "")
+    assert r.returncode == 2 and "error: output file name '' is empty; expected a file name" in r.stderr
     r = run_cli("query", str(out), "SELECT 1", "--max-rows", "0")
     assert r.returncode == 2 and "Invalid value for '--max-rows'" in r.stderr
+    for sql in ("SELECT id FROM latest;", "SELECT id FROM latest -- ids"):  # the COPY wrapper broke on them
+        r = run_cli("query", str(out), sql, "--out", str(tmp_path / "ids.csv"), "--force")
+        assert r.returncode == 0 and "wrote 20 rows" in r.stderr, r.stderr
+    r = run_cli("query", str(out), "CREATE TABLE t (a INT)", "--out", str(tmp_path / "t.csv"))
+    assert r.returncode == 2 and "query failed: Parser Error" in r.stderr, r.stderr
+    paths[0].write_bytes(b"not parquet")  # status and queries of the results crashed reading it
+    assert run_cli("status", str(out)).returncode == 0
+    r = run_cli("query", str(out), "SELECT count(*) AS n FROM latest")
+    assert r.returncode == 0 and "20" in r.stdout, r.stderr
+    r = run_cli("query", str(out), "SELECT count(*) FROM inputs")  # nor is a changed file the job's input
+    assert r.returncode == 2 and "readable and unchanged" in r.stderr and "Traceback" not in r.stderr
     paths[1].rename(tmp_path / "moved.parquet")  # the inputs view is gone, not a Python variable's scan
     r = run_cli("query", str(out), "SELECT count(*) FROM inputs")
-    assert r.returncode == 2 and "the view inputs exists while all the job's input files do" in r.stderr
+    assert r.returncode == 2 and "the view inputs exists while the job's input files are readable" in r.stderr
 
 
 def _bad_inputs(d: Path, case: str) -> None:

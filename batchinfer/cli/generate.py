@@ -116,8 +116,9 @@ def generate(
 
     A quick way to try a checkpoint: each completion is printed under a header with its finish
     reason and token counts. Rows that cannot run (too long for the context, malformed chat) are
-    printed with the reason and the command exits 1. Ctrl-C prints the completions that had finished
-    and exits 130.
+    printed with the reason and the command exits 1. Ctrl-C prints the completions the engine had
+    returned and exits 130 (engines return a batch's completions when its last row ends, so one batch
+    of prompts interrupted prints none).
 
     \b
     Examples:
@@ -167,7 +168,7 @@ def generate(
         try:
             for r in engine.generate(requests, on_tokens=bar.update):
                 done.append(r)
-        except KeyboardInterrupt:  # Ctrl-C: the completions that finished are still printed
+        except KeyboardInterrupt:  # Ctrl-C: the completions returned so far are still printed
             interrupted = True
     for r in sorted(done, key=lambda r: r.index):
         click.echo(

@@ -22,7 +22,7 @@ import click
 def query_command(job_dir: str, sql: str, out: str | None, force: bool, max_rows: int) -> None:
     """Run SQL over the views `results` (every committed row, every attempt), `latest` (the rows of each
     id's latest attempt: one per id for text jobs, one per image, prompt and instance for image jobs) and
-    `inputs` (the input files, when reachable). Safe while workers run.
+    `inputs` (the input files, while readable and unchanged since the plan). Safe while workers run.
 
     Example: batchinfer query DIR "SELECT finish_reason, count(*) FROM latest GROUP BY 1"
     """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from batchinfer.errors import ConfigError
+from batchinfer.errors import CheckpointError, ConfigError
 from batchinfer.images.segmenter import SegmenterEngine
 
 log = logging.getLogger(__name__)
@@ -84,11 +84,12 @@ def check_model(model_path: str) -> None:
     without a usable model, and rerunning with another --model is a different job."""
     if not model_path:
         raise ConfigError("the SAM 3 engine needs --model (a sam3.pt or safetensors checkpoint)")
-    from batchinfer.sam3.checkpoint import folder_problem
+    from batchinfer.sam3.checkpoint import check_checkpoint_file
 
-    problem = folder_problem(Path(model_path).expanduser())
-    if problem:
-        raise ConfigError(f"--model {problem}")
+    try:
+        check_checkpoint_file(Path(model_path).expanduser())
+    except CheckpointError as e:
+        raise ConfigError(f"--model {e}") from None
 
 
 def _device(device: str) -> str:

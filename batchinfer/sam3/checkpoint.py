@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -80,6 +81,37 @@ def _read_raw(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return {k: v for k, v in raw.items() if isinstance(v, Tensor)}, {}
 
 
+def _no_detector(path: Path, keys: Iterable[str]) -> CheckpointError:
+    sample = ", ".join(sorted(keys)[:3]) or "none"
+    return CheckpointError(
+        f"{path}: no SAM 3 detector tensors (keys starting with 'detector.'); first keys found: {sample}"
+        " (Hugging Face transformers' 'detector_model.*' layout is not supported)"
+    )
+
+
+def check_checkpoint_file(path: Path) -> None:
+    """The checks of `load_sam3_state_dict` that need only the file's tensor names, for a plan to make
+    before it records the model: a folder, a missing file, a file that is no checkpoint, one without the
+    detector's tensors (a Qwen checkpoint)."""
+    problem = folder_problem(path)
+    if problem:
+        raise CheckpointError(problem)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys = list(f.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+    else:
+        keys = list(_read_raw(path)[0])  # mapped, not read: torch.load(mmap=True)
+    if not any(k.startswith(PREFIXES) for k in keys):
+        raise _no_detector(path, keys)
+
+
 def _stored_config(path: Path, stored: str) -> Sam3Config:
     where = f"{path}: {CONFIG_METADATA_KEY} metadata"
     try:
@@ -113,11 +145,7 @@ def load_sam3_state_dict(
         if prefix is not None:
             state[key[len(prefix) :]] = tensor
     if not state:
-        sample = ", ".join(sorted(raw)[:3]) or "none"
-        raise CheckpointError(
-            f"{path}: no SAM 3 detector tensors (keys starting with 'detector.'); first keys found: {sample}"
-            " (Hugging Face transformers' 'detector_model.*' layout is not supported)"
-        )
+        raise _no_detector(path, raw)
     expected = expected_shapes(config)
     ignored = [k for k in state if k not in expected and any(m in f".{k}" for m in IGNORED_MARKERS)]
     unexpected = sorted(k for k in state if k not in expected and k not in ignored)
