@@ -56,12 +56,16 @@ def folder_problem(path: Path) -> str | None:
     )
 
 
-def _read_raw(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+def _check_file(path: Path) -> None:
     problem = folder_problem(path)
     if problem:
         raise CheckpointError(problem)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+
+
+def _read_raw(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    _check_file(path)
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -93,15 +97,11 @@ def check_checkpoint_file(path: Path) -> None:
     """The checks of `load_sam3_state_dict` that need only the file's tensor names, for a plan to make
     before it records the model: a folder, a missing file, a file that is no checkpoint, one without the
     detector's tensors (a Qwen checkpoint)."""
-    problem = folder_problem(path)
-    if problem:
-        raise CheckpointError(problem)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file")
+    _check_file(path)
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
-        try:
+        try:  # the header only
             with safe_open(str(path), framework="pt") as f:
                 keys = list(f.keys())
         except Exception as e:  # safetensors raises its own error types for corrupt headers
