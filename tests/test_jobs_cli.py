@@ -566,6 +566,22 @@ def test_eval_rerun_keeps_the_jobs_heldout_set(tmp_path):
     assert not (tmp_path / "run" / "heldout.parquet").exists()
 
 
+def test_eval_does_not_score_a_job_another_runner_holds(tmp_path):
+    """A shard locked by another runner used to be scored as missing rows: a table of zeros, exit 0."""
+    from batchinfer.jobs.lock import shard_lock
+
+    ev, figures = tmp_path / "ev", tmp_path / "ev.json"
+    args = ["eval", "-m", str(REPO / "models" / "demo-qwen3.5-moe"), "-o", str(ev), "--progress", "none",
+            "--tasks", "add", "--n-per-task", "2", "--max-tokens", "4", "--json", str(figures)]  # fmt: skip
+    with shard_lock(ev, 0) as held:
+        assert held
+        r = run_cli(*args)
+    assert r.returncode == 75 and "still being run by another runner; not scored" in r.stderr, r.stderr
+    assert "mean" not in r.stdout and not figures.exists()
+    r = run_cli(*args)
+    assert r.returncode == 0 and json.loads(figures.read_text())["tasks"]["add"]["rows"] == 2, r.stderr
+
+
 def test_eval_counts_skipped_rows_as_not_answered(tmp_path):
     """Prompts beyond the context are skipped rows: the table used to show them as plain misses."""
     ev = tmp_path / "ev"
