@@ -29,9 +29,9 @@ def load_engine(
     from batchinfer.sam3.fp8 import use_fp8_vit
     from batchinfer.sam3.model import Sam3Model
 
-    check_model(model_path)
     batch = check_engine_args(batch_size, device, dtype, vit)
     device = _device(device)
+    check_model(model_path)  # after the arguments, which need no file
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model = Sam3Model.from_checkpoint(model_path, device=device, dtype=DTYPES[dtype])
     if vit != "bf16":
