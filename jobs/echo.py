@@ -42,7 +42,10 @@ class EchoEngine:
             seconds = -1.0
         if not seconds >= 0:  # also refuses nan
             raise ConfigError(f"--engine-arg delay={delay}: expected seconds >= 0")
-        words = int(max_context) if max_context.strip().isdigit() else 0
+        try:
+            words = int(max_context)
+        except ValueError:  # also "²", which isdigit() takes for a digit
+            words = 0
         if words < 1:
             raise ConfigError(f"--engine-arg max_context={max_context}: expected a whole number >= 1")
         return seconds, words

@@ -47,7 +47,11 @@ def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
         con.register("_no_results", _empty_results(plan))
         con.execute("CREATE VIEW results AS SELECT * FROM _no_results")
     con.execute(f"CREATE VIEW latest AS {LATEST_SQL}")
-    if all(_unchanged(f) for f in plan.inputs):  # else no view: a query on it says the files are needed
+    try:
+        unchanged = all(inputs.check_unchanged(f) is None for f in plan.inputs)
+    except OSError:  # an input that cannot be read now
+        unchanged = False
+    if unchanged:  # else no view: a query on it says the files need to be readable and unchanged
         listing = ", ".join(_sql_str(f.path) for f in plan.inputs)
         try:
             con.execute(
@@ -56,16 +60,6 @@ def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
         except duckdb.Error:  # unreadable now; the results views do not need the inputs
             pass
     return con
-
-
-def _unchanged(f: inputs.InputFile) -> bool:
-    """The input file is there with the size and fingerprint the plan recorded (a replaced file would be
-    queried as the job's input)."""
-    try:
-        size = os.path.getsize(f.path)
-        return size == f.size and inputs.fingerprint(Path(f.path), size) == f.fingerprint
-    except OSError:
-        return False
 
 
 def _failed(e: duckdb.Error) -> InputError:

@@ -347,7 +347,11 @@ def test_engine_and_usage_errors(tmp_path):
         "it accepts delay, fail_marker, crash_marker, max_context"
     )
     assert not (tmp_path / "typo" / "plan.json").exists()  # refused before the plan records it
-    for arg, expected in (("max_context=abc", "a whole number >= 1"), ("delay=-1", "seconds >= 0")):
+    for arg, expected in (
+        ("max_context=abc", "a whole number >= 1"),
+        ("max_context=\u00b2", "a whole number >= 1"),  # isdigit() is True for it
+        ("delay=-1", "seconds >= 0"),
+    ):
         r = run_cli(*echo_args(tmp_path, tmp_path / "bad", "--engine-arg", arg))  # was a traceback at load
         assert r.returncode == 2 and f"--engine-arg {arg}: expected {expected}" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "bad" / "plan.json").exists()

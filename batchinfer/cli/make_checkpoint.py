@@ -15,8 +15,8 @@ SAM3_PRESETS = ("sam3", "tiny-sam3")
 
 def holds_checkpoint(folder: Path) -> bool:
     """A Hugging Face checkpoint (config.json, safetensors) or Meta's sam3.pt."""
-    return any(
-        (folder / "config.json").exists() or next(folder.glob(p), None) for p in ("*.safetensors", "*.pt")
+    return (folder / "config.json").exists() or any(
+        next(folder.glob(p), None) for p in ("*.safetensors", "*.pt")
     )
 
 
