@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 from batchinfer.jobs import commit
@@ -48,6 +49,11 @@ def attempt_rows(plan: Plan, shard: int, attempt: int) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64)
 
 
+def attempt_reasons(plan: Plan, attempt: int) -> list[str]:
+    """The finish reasons a retry attempt reruns (attempt 1 reruns nothing: [])."""
+    return [] if attempt == 1 else list(_load(plan, attempt)["reasons"])
+
+
 def shard_attempts(plan: Plan, shard: int) -> list[int]:
     """The attempts with rows in `shard`."""
     return [a for a in list_attempts(plan) if a == 1 or str(shard) in _load(plan, a)["rows"]]
@@ -66,6 +72,24 @@ def incomplete_shards(plan: Plan) -> list[int]:
         if any(commit.marker_path(plan.job_dir, s, a).name not in markers for a in needed):
             left.append(s)
     return left
+
+
+def reopen_damaged(plan: Plan) -> list[Path]:
+    """Set every damaged chunk file aside (`commit.set_aside`) and remove its attempt's shard marker, so
+    that the runner computes that chunk again (its shard's whole chunks are kept); returns the chunks. A
+    chunk is published whole, so damage came from outside: an interrupted copy of the folder, a disk."""
+    reopened = []
+    for path in commit.damaged_chunks(plan.job_dir):
+        shard, attempt = commit.chunk_place(path)
+        try:
+            aside = commit.set_aside(path)
+        except FileNotFoundError:  # another runner set it aside first
+            continue
+        commit.marker_path(plan.job_dir, shard, attempt).unlink(missing_ok=True)
+        log.warning("%s: damaged (not a whole Parquet file); set aside as %s, its rows computed again",
+                    path, aside.name)  # fmt: skip
+        reopened.append(path)
+    return reopened
 
 
 def create_retry(plan: Plan, rows_by_shard: dict[int, list[int]], reasons: list[str]) -> int:

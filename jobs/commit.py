@@ -1,12 +1,13 @@
 """The on-disk layout of a job directory and the atomic writes that make it crash-safe.
 
 Every file a reader may see is published whole: written to a temporary name in the same directory
-(`.NAME.tmp-PID`, which no `*.parquet` glob matches), fsynced, renamed over the final name, and the
+(`.NAME.tmp-HOST-PID`, which no `*.parquet` glob matches), fsynced, renamed over the final name, and the
 directory fsynced so the rename survives a power cut. A chunk file *is* the commit of its rows; the
 shard marker written after the last chunk only saves readers from listing chunk files.
 
     DIR/plan.json                                   the plan (jobs.plan)
     DIR/shards/NNNNN/attempt-AA-chunk-CCCCC.parquet  committed output rows
+    DIR/shards/NNNNN/.attempt-AA-chunk-CCCCC.parquet.damaged-T  a damaged chunk set aside (`set_aside`)
     DIR/markers/NNNNN-attempt-AA.json               shard attempt finished (schemas/shard_marker)
     DIR/attempts/AA.json                            rows of a retry-errors attempt (schemas/attempt)
     DIR/locks/NNNNN.lock                            per-shard flock (jobs.lock)
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,9 @@ SHARDS_DIR = "shards"
 MARKERS_DIR = "markers"
 ATTEMPTS_DIR = "attempts"
 LOGS_DIR = "logs"
-RESULTS_GLOB = f"{SHARDS_DIR}/*/*.parquet"
+# only chunk names (DuckDB globs as Python does): a stray file beside them is no result
+RESULTS_GLOB = f"{SHARDS_DIR}/[0-9]*/attempt-[0-9]*-chunk-[0-9]*.parquet"
+_PARQUET_MAGIC = b"PAR1"
 
 
 def chunk_path(job_dir: Path, shard: int, attempt: int, chunk: int) -> Path:
@@ -47,8 +52,45 @@ def log_path(job_dir: Path, shard: int) -> Path:
     return job_dir / LOGS_DIR / f"shard-{shard:05d}.log"
 
 
+def chunk_files(job_dir: Path) -> list[Path]:
+    """Every committed chunk file of the job, in name order."""
+    return sorted(job_dir.glob(RESULTS_GLOB))
+
+
+def is_whole_parquet(path: Path) -> bool:
+    """Whether `path` starts and ends with Parquet's magic bytes: a truncated or emptied file (an
+    interrupted copy of the job folder, a full disk outside our atomic writes) does not."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            if f.seek(0, os.SEEK_END) < 12:
+                return False
+            f.seek(-4, os.SEEK_END)
+            return head == _PARQUET_MAGIC and f.read(4) == _PARQUET_MAGIC
+    except OSError:
+        return False
+
+
+def damaged_chunks(job_dir: Path) -> list[Path]:
+    """Chunk files that are not whole Parquet files."""
+    return [p for p in chunk_files(job_dir) if not is_whole_parquet(p)]
+
+
+def chunk_place(path: Path) -> tuple[int, int]:
+    """(shard, attempt) of a chunk file named as `chunk_path` names it."""
+    return int(path.parent.name), int(path.name.split("-")[1])
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged chunk to a hidden name no reader globs, beside it, so that its rows are computed
+    again; the bytes stay for whoever wants to look."""
+    aside = path.with_name(f".{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, aside)
+    return aside
+
+
 def _tmp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    return final.with_name(f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -107,6 +149,26 @@ def remove_stale_tmp(directory: Path, pattern: str = "*") -> int:
             p.unlink(missing_ok=True)
             removed += 1
     return removed
+
+
+def remove_dead_tmp(directory: Path, name: str) -> None:
+    """Delete leftovers of writers of `directory/name` killed on this host (their process is gone): for
+    files no lock covers, such as the plan, which runners on other hosts may be writing at this moment."""
+    host = socket.gethostname()
+    for p in directory.glob(f".{name}.tmp-{host}-*"):
+        pid = p.name.rsplit("-", 1)[1]
+        if pid.isdecimal() and not _alive(int(pid)):
+            p.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -49,7 +49,8 @@ class Plan:
 
     @property
     def inputs(self) -> list[inputs.InputFile]:
-        return [inputs.InputFile(**f) for f in self.doc["inputs"]]
+        """The input files, a path inside the job directory resolved against where it is now."""
+        return [inputs.InputFile(**f) for f in absolute_inputs(self.doc, self.job_dir)["inputs"]]
 
     @property
     def num_shards(self) -> int:
@@ -108,6 +109,19 @@ class Plan:
         return cls(job_dir, doc)
 
 
+def absolute_inputs(doc: dict[str, Any], job_dir: Path) -> dict[str, Any]:
+    """`doc` with its input paths absolute: a plan keeps the files it made inside its job directory
+    (`eval`'s held-out set, `segment`'s image listings) relative to it, so that a job folder moved or
+    copied elsewhere still finds them and still hashes to the same plan."""
+    files = [{**f, "path": str(job_dir / f["path"])} for f in doc["inputs"]]
+    return {**doc, "inputs": files}
+
+
+def _job_relative(path: str, job_dir: Path) -> str:
+    p = Path(path)
+    return p.relative_to(job_dir).as_posix() if job_dir in p.parents else path
+
+
 def split_rows(total: int, num_shards: int) -> list[tuple[int, int]]:
     """`num_shards` contiguous row ranges covering [0, total), sizes differing by at most one."""
     base, extra = divmod(total, num_shards)
@@ -136,7 +150,8 @@ def build_plan(
     """Validate the inputs and describe the job. `check_rows=False` skips the row scan (ids, prompt /
     messages; used when only comparing against an existing plan, whose fingerprints already vouch for
     the rows). `task` picks the task (jobs.tasks); for `image`, `sampling` holds the thresholds."""
-    if Path(job_dir).exists() and not Path(job_dir).is_dir():
+    job_dir = Path(job_dir).resolve()
+    if job_dir.exists() and not job_dir.is_dir():
         raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")
     if chunk_rows < 1:
         raise InputError(f"chunk_rows must be >= 1, got {chunk_rows}")
@@ -169,7 +184,7 @@ def build_plan(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "batchinfer_version": __version__,
         "task": task,
-        "inputs": [f.to_dict() for f in files],
+        "inputs": [{**f.to_dict(), "path": _job_relative(f.path, job_dir)} for f in files],
         "id_type": "int64" if id_type == pa.int64() else "string",
         "keep_columns": list(keep_columns),
         "total_rows": total,
@@ -186,7 +201,7 @@ def build_plan(
         },
     }
     doc["plan_id"] = hash_plan(doc)
-    return Plan(Path(job_dir).resolve(), doc)
+    return Plan(job_dir, doc)
 
 
 def hash_plan(doc: dict[str, Any]) -> str:
@@ -287,6 +302,8 @@ def open_or_create(
     """The job's plan: `candidate` if none exists yet, else the existing one if it describes the same job.
     `hint` ends the error for a different job (`eval` has no --force-new-plan to offer); `explain(old,
     new)` leads its list of changes with what the task knows of them (an image listing's files)."""
+    if candidate.job_dir.is_dir():
+        commit.remove_dead_tmp(candidate.job_dir, commit.PLAN_FILE)  # a plan writer killed here earlier
     if candidate.save():
         log.info(
             "wrote %s (plan %s, %d rows, %d shards)",
@@ -297,9 +314,11 @@ def open_or_create(
         )
         return candidate
     existing = Plan.load(candidate.job_dir)
-    changes = diff(existing.doc, candidate.doc)
+    # compared with absolute paths: a plan written before they were kept relative names them so
+    old, new = (absolute_inputs(d, existing.job_dir) for d in (existing.doc, candidate.doc))
+    changes = diff(old, new)
     if changes and explain is not None:
-        changes = explain(existing.doc, candidate.doc) + changes
+        changes = explain(old, new) + changes
     if changes:
         raise PlanMismatchError(
             f"{existing.job_dir / commit.PLAN_FILE} describes a different job (plan {existing.plan_id}); "

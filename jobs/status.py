@@ -20,7 +20,7 @@ from batchinfer.jobs.worker import CHUNK_META
 
 
 def _chunk_stats(plan: Plan) -> list[dict[str, Any]]:
-    if not any((plan.job_dir / commit.SHARDS_DIR).glob("*/*.parquet")):
+    if not commit.chunk_files(plan.job_dir):
         return []
     con = duckdb.connect()
     glob = str(plan.job_dir / commit.RESULTS_GLOB).replace("'", "''")

@@ -60,6 +60,27 @@ def test_kill_then_resume_gives_every_row_exactly_once(tmp_path):
     assert "25/25 done" in status.stdout and "error 1, ok 24" in status.stdout and "images/s" in status.stdout
 
 
+def test_a_moved_job_folder_resumes_on_its_own_image_listing(tmp_path):
+    """The listing a folder input becomes lives in the job folder; the plan names it relative to the folder,
+    so a copy elsewhere resumes, and a changed folder is still explained and its new listing removed."""
+    d = image_folder(tmp_path, n=3)
+    out = tmp_path / "out"
+    assert run_cli(*_args(d, out, "--chunk-rows", "2", "--shard", "0", "--shards", "2")).returncode == 0
+    assert json.loads((out / "plan.json").read_text())["inputs"][0]["path"].startswith("inputs/images-")
+    moved = tmp_path / "elsewhere" / "job"
+    moved.parent.mkdir()
+    out.rename(moved)
+    r = run_cli(*_args(d, moved, "--chunk-rows", "2"))
+    assert r.returncode == 0 and "all selected shards" in r.stderr, r.stderr
+    assert "4/4 done" in run_cli("status", str(moved)).stdout  # three scenes and broken.png
+    r = run_cli("query", str(moved), "SELECT count(*) AS n FROM inputs")
+    assert r.returncode == 0 and " 4 " in r.stdout, r.stderr
+    scene(9).save(d / "new.png")
+    r = run_cli(*_args(d, moved, "--chunk-rows", "2"))
+    assert r.returncode == 2 and f"image files added: {d / 'new.png'}" in r.stderr, r.stderr
+    assert len(list((moved / "inputs").iterdir())) == 1
+
+
 def test_user_errors_are_one_line_exit_2(tmp_path):
     d = image_folder(tmp_path, n=2)
     out = tmp_path / "out"

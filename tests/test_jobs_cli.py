@@ -162,6 +162,24 @@ def test_export_and_query_out_never_overwrite_the_jobs_files(tmp_path):
     assert r.returncode == 2 and "the view inputs exists while the job's input files are readable" in r.stderr
 
 
+def test_a_damaged_chunk_is_named_and_the_next_run_computes_it_again(tmp_path):
+    write_inputs(tmp_path, files=1, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out, "--chunk-rows", "4")).returncode == 0
+    chunk = out / "shards/00000/attempt-01-chunk-00001.parquet"
+    chunk.write_bytes(b"")  # as an interrupted copy of the folder leaves it
+    for args in (("status", str(out)), ("query", str(out), "SELECT count(*) FROM latest")):
+        r = run_cli(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"{chunk}: a damaged result chunk (0 bytes, not a whole Parquet file); rerun" in r.stderr
+    r = run_cli("run", "--output", str(out), "--progress", "none")
+    assert r.returncode == 0 and "set aside as .attempt-01-chunk-00001.parquet.damaged-" in r.stderr, r.stderr
+    assert "4 rows processed in 1 chunks" in r.stderr
+    r = run_cli("query", str(out), "SELECT count(*) AS n FROM latest")
+    assert r.returncode == 0 and "10" in r.stdout, r.stderr
+
+
 def _bad_inputs(d: Path, case: str) -> None:
     if case == "missing column":
         pq.write_table(pa.table({"id": [100], "text": ["x"]}), d / "z.parquet")
@@ -278,6 +296,11 @@ def test_retry_errors(tmp_path):
     assert t["id"] == list(range(20)) and t["attempt"][1] == 2 and t["attempt"][2] == 1
     s = json.loads(run_cli("status", str(out), "--json").stdout)
     assert s["attempts"] == 2 and s["shards_done"] == 2
+    for p in [out / "markers/00001-attempt-02.json", *out.glob("shards/00001/attempt-02-*.parquet")]:
+        p.unlink()  # as if attempt 2 had been killed in shard 1
+    r = run_cli("retry-errors", str(out), "--finish-reason", "skipped", "--progress", "none")
+    assert r.returncode == 0 and "resuming attempt 2 (1 shard(s) left)" in r.stderr, r.stderr
+    assert "attempt 2 retries finish_reason error, not skipped: it finishes first; rerun" in r.stderr
 
 
 def test_spec_file_and_examples(tmp_path):
@@ -537,7 +560,7 @@ def test_eval_rerun_keeps_the_jobs_heldout_set(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: {ev / 'heldout.parquet'}: this evaluation job's held-out set is 4 prompts of add, sort; "
         "--n-per-task 3 --seed 1 --tasks add,sort gives 6 prompts of add, sort. Rerun with the job's own "
-        "--n-per-task, --seed and --tasks to resume, or use a new --output directory"
+        "--n-per-task, --seed and --tasks (or without them) to resume, or use a new --output directory"
     ]
     assert (ev / "heldout.parquet").read_bytes() == heldout
     r = run_cli(*base, "--max-tokens", "4")
@@ -547,6 +570,9 @@ def test_eval_rerun_keeps_the_jobs_heldout_set(tmp_path):
     )
     r = run_cli("run", "--output", str(ev), "--progress", "none")
     assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr
+    r = run_cli(*base[:-6], "--json", str(tmp_path / "left-out.json"))  # the job's own options, not defaults
+    assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr
+    assert json.loads((tmp_path / "left-out.json").read_text())["n_per_task"] == 2
     r = run_cli(*base[:-6], "--tasks", "sort,add", "--n-per-task", "2", "--max-tokens", "8")
     assert (
         r.returncode == 2
@@ -568,6 +594,32 @@ def test_eval_rerun_keeps_the_jobs_heldout_set(tmp_path):
     r = run_cli(*base[:4], str(tmp_path / "run"), *base[5:])
     assert r.returncode == 2 and "holds a job that is not an evaluation" in r.stderr
     assert not (tmp_path / "run" / "heldout.parquet").exists()
+
+
+def test_a_moved_job_folder_resumes(tmp_path):
+    """An evaluation's input (heldout.parquet) lives in its job folder: a moved folder still finds it and
+    still hashes to the same plan; a plain job's inputs outside the folder are found where they were."""
+    ev = tmp_path / "ev"
+    base = ["-m", str(REPO / "models" / "demo-qwen3.5-moe"), "--progress", "none", "--tasks", "add"]
+    base += ["--n-per-task", "2", "--max-tokens", "4"]
+    assert run_cli("eval", "-o", str(ev), *base).returncode == 0
+    plan = json.loads((ev / "plan.json").read_text())
+    assert plan["inputs"][0]["path"] == "heldout.parquet"
+    moved = tmp_path / "moved"
+    shutil.copytree(ev, moved)
+    shutil.rmtree(ev)
+    r = run_cli("eval", "-o", str(moved), *base)
+    assert r.returncode == 0 and "add " in r.stdout, r.stderr
+    assert json.loads((moved / "plan.json").read_text())["plan_id"] == plan["plan_id"]
+    r = run_cli("query", str(moved), "SELECT count(*) AS n FROM inputs")
+    assert r.returncode == 0 and " 2 " in r.stdout, r.stderr
+    write_inputs(tmp_path, files=1, rows=4)
+    model_dir(tmp_path)
+    out = tmp_path / "job"
+    assert run_cli(*echo_args(tmp_path, out)).returncode == 0
+    out.rename(tmp_path / "job2")
+    r = run_cli("run", "--output", str(tmp_path / "job2"), "--progress", "none")
+    assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr
 
 
 def test_eval_does_not_score_a_job_another_runner_holds(tmp_path):

@@ -1,6 +1,8 @@
 """run_shard in-process with the echo engine: outputs, bad rows, resume, stop, locks, crashes, retries."""
 
 import json
+import os
+import socket
 
 import duckdb
 import pyarrow as pa
@@ -11,6 +13,8 @@ from batchinfer.jobs import plan as plans
 from batchinfer.jobs.echo import EchoEngine
 from batchinfer.jobs.lock import shard_lock
 from jobs_fixtures import ECHO, model_dir, write_inputs
+
+from batchinfer.errors import InputError
 
 
 class Counting:
@@ -160,6 +164,43 @@ def test_stale_temporary_files_are_removed_and_never_read(tmp_path):
     worker.run_shard(p, 0, _engine(tmp_path))
     assert not stale.exists() and not stale_marker.exists() and other_shard.exists()
     assert query.connect(p.job_dir).sql("SELECT count(*) FROM results").fetchall() == [(6,)]
+
+
+def test_damaged_chunk_is_set_aside_and_recomputed_and_stray_files_are_ignored(tmp_path):
+    write_inputs(tmp_path, files=1, rows=12)
+    p = _job(tmp_path, shards=2, chunk_rows=3)
+    worker.run_shards(p, [0, 1], _engine(tmp_path))
+    before = _latest(p.job_dir)
+    stray = p.job_dir / "shards/00000/notes.parquet"
+    stray.write_bytes(b"")  # not a chunk name: no reader looks at it
+    assert _latest(p.job_dir) == before
+    chunk = commit.chunk_path(p.job_dir, 1, 1, 1)
+    chunk.write_bytes(chunk.read_bytes()[:-9])  # truncated: its footer is gone
+    assert commit.damaged_chunks(p.job_dir) == [chunk] and attempts.incomplete_shards(p) == []
+    with pytest.raises(InputError, match=r"chunk-00001.parquet: a damaged result chunk \(\d+ bytes"):
+        query.connect(p.job_dir)
+    assert attempts.reopen_damaged(p) == [chunk]
+    assert attempts.incomplete_shards(p) == [1] and not chunk.exists()
+    assert len(list(chunk.parent.glob(".attempt-01-chunk-00001.parquet.damaged-*"))) == 1
+    counting = Counting(_engine(tmp_path))
+    worker.run_shards(p, [1], counting)
+    assert counting.requests == 3  # that chunk's three rows, no more
+    assert _latest(p.job_dir) == before and attempts.incomplete_shards(p) == []
+    assert attempts.reopen_damaged(p) == [] and stray.exists()
+
+
+def test_a_killed_plan_writers_temporary_file_is_removed_a_live_ones_kept(tmp_path):
+    write_inputs(tmp_path, files=1, rows=6)
+    host = socket.gethostname()
+    out = tmp_path / "out"
+    out.mkdir()
+    dead, live = (out / f".plan.json.tmp-{host}-{pid}" for pid in (2**22 + 7, os.getppid()))  # no pid past 2**22
+    other_host = out / ".plan.json.tmp-elsewhere-123"  # maybe being written on another node right now
+    for p in (dead, live, other_host):
+        p.write_text("{")
+    _job(tmp_path)
+    assert not dead.exists() and live.exists() and other_host.exists()
+    assert (out / "plan.json").exists() and not list(out.glob(f".plan.json.tmp-{host}-{2**22 + 7}"))
 
 
 def test_retry_attempt_reruns_only_failed_rows_and_keeps_history(tmp_path):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from batchinfer.cli.options import make_parent, output_folder
 from batchinfer.errors import InputError, PlanMismatchError
+
+N_PER_TASK = 200
+MAX_TOKENS = 32
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -39,10 +42,28 @@ def _heldout(job_dir: Path, n_per_task: int, seed: int, tasks: list[str] | None)
             given += " (the same tasks in another --tasks order draw other prompts)"
         raise PlanMismatchError(
             f"{path}: this evaluation job's held-out set is {_prompts(old)}; {flags} gives {given}. "
-            "Rerun with the job's own --n-per-task, --seed and --tasks to resume, or use a new --output "
-            "directory"
+            "Rerun with the job's own --n-per-task, --seed and --tasks (or without them) to resume, or use a "
+            "new --output directory"
         )
     return path
+
+
+def _resumed(job_dir: Path, given: dict[str, Any]) -> dict[str, Any]:
+    """`given` with the options left out (None) taken from the evaluation job in `job_dir`, if there is one
+    (its held-out file's arguments, its plan's max_tokens and engine arguments), else the defaults."""
+    from batchinfer.demo.evaluate import HELDOUT_SEED, heldout_args
+    from batchinfer.jobs.commit import PLAN_FILE
+    from batchinfer.jobs.plan import Plan
+
+    saved: dict[str, Any] = {}
+    heldout = job_dir / "heldout.parquet"
+    if (job_dir / PLAN_FILE).exists() and heldout.is_file():
+        plan = Plan.load(job_dir)
+        saved = {**heldout_args(heldout), "max_tokens": plan.sampling["max_tokens"]}
+        saved["engine_args"] = plan.doc["engine"]["args"]
+    defaults = {"n_per_task": N_PER_TASK, "seed": HELDOUT_SEED, "tasks": None, "max_tokens": MAX_TOKENS}
+    defaults["engine_args"] = {}
+    return {k: v if v is not None else saved.get(k, defaults[k]) for k, v in given.items()}
 
 
 def _prompts(table: pa.Table) -> str:
@@ -59,17 +80,9 @@ def _prompts(table: pa.Table) -> str:
     help="Job directory for the evaluation run (rerun to resume).",
 )
 @click.option("--tasks", help="Comma-separated task names [all: add,reverse,sort,count,convert].")
-@click.option(
-    "--n-per-task",
-    type=click.IntRange(min=1),
-    default=200,
-    show_default=True,
-    help="Held-out prompts per task.",
-)
-@click.option("--seed", type=int, default=1, show_default=True, help="Seed of the held-out set.")
-@click.option(
-    "--max-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Most tokens per answer."
-)
+@click.option("--n-per-task", type=click.IntRange(min=1), help=f"Held-out prompts per task [{N_PER_TASK}].")
+@click.option("--seed", type=int, help="Seed of the held-out set [1, the published set's].")
+@click.option("--max-tokens", type=click.IntRange(min=1), help=f"Most tokens per answer [{MAX_TOKENS}].")
 @click.option("--engine-arg", multiple=True, help="KEY=VALUE passed to the engine (e.g. device=cpu).")
 @click.option(
     "--json",
@@ -84,9 +97,9 @@ def eval_command(
     model: str,
     output: Path,
     tasks: str | None,
-    n_per_task: int,
-    seed: int,
-    max_tokens: int,
+    n_per_task: int | None,
+    seed: int | None,
+    max_tokens: int | None,
     engine_arg: tuple[str, ...],
     json_out: str | None,
     force: bool,
@@ -94,10 +107,11 @@ def eval_command(
 ) -> None:
     """Run held-out task prompts through MODEL as a normal job and report exact match per task.
 
-    The prompts (chat messages, greedy decoding) go to OUTPUT/heldout.parquet, the job runs in
-    OUTPUT like `batchinfer run` (resumable), and the accuracy comes from a DuckDB query over the
-    results joined with the expected answers. Prints a table; --json writes the same figures. Error and
-    skipped rows count as wrong and are shown as "not answered"; a job with shards still running elsewhere
+    The prompts (chat messages, greedy decoding) go to OUTPUT/heldout.parquet, the job runs in OUTPUT
+    like `batchinfer run` (resumable: a rerun takes the options it leaves out from the job), and the
+    accuracy comes from a DuckDB query over the results joined with the expected answers. Prints a
+    table; --json writes the same figures. Error and skipped rows count as wrong and are shown as "not
+    answered"; a job with shards still running elsewhere
     is not scored.
     """
     from batchinfer.cli.run import default_progress, execute
@@ -118,12 +132,17 @@ def eval_command(
         names = [get_task(t.strip()).name for t in tasks.split(",")] if tasks else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--tasks") from None
-    engine_args = parse_args(engine_arg)
-    check_args_here(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
+    engine_args = parse_args(engine_arg) if engine_arg else None
+    if engine_args is not None:
+        check_args_here(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
     job_dir = output.resolve()
     if job_dir.exists() and not job_dir.is_dir():
         raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")
     job_tasks.get("llm").describe_model(model)  # a bad --model stops before anything is written
+    given = {"n_per_task": n_per_task, "seed": seed, "tasks": names, "max_tokens": max_tokens}
+    args = _resumed(job_dir, {**given, "engine_args": engine_args})
+    n_per_task, seed, names, max_tokens = args["n_per_task"], args["seed"], args["tasks"], args["max_tokens"]
+    engine_args = args["engine_args"]
     prompts = _heldout(job_dir, n_per_task, seed, names)
     plan = plans.open_or_create(
         plans.build_plan(

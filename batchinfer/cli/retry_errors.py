@@ -42,6 +42,13 @@ def retry_errors_command(job_dir: str, reasons: tuple[str, ...], progress: str |
         )
     if left:
         click.echo(f"resuming attempt {last} ({len(left)} shard(s) left)", err=True)
+        earlier = attempts.attempt_reasons(plan, last)
+        if reasons and set(reasons) != set(earlier):
+            click.echo(
+                f"attempt {last} retries finish_reason {', '.join(earlier)}, not {', '.join(reasons)}: it "
+                "finishes first; rerun retry-errors with your --finish-reason after it",
+                err=True,
+            )
     else:
         chosen = list(reasons) or ["error", "skipped"]
         rows = query.rows_to_retry(plan.job_dir, chosen)

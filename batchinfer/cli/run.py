@@ -47,6 +47,7 @@ def execute(plan: Any, shard_ids: list[int], progress_mode: str) -> int:
     from batchinfer.jobs.engines import LazyEngine
     from batchinfer.jobs.progress import Progress
 
+    attempts.reopen_damaged(plan)
     left = set(attempts.incomplete_shards(plan))
     todo = [s for s in shard_ids if s in left]
     if not todo:
@@ -220,7 +221,7 @@ def _build(
     (check_args_here if here else check_args)(engine, engine_args)  # here: this run starts now
     return plans.build_plan(
         job_dir,
-        args.get("input") or [f["path"] for f in old["inputs"]],
+        args.get("input") or [f["path"] for f in plans.absolute_inputs(old, job_dir)["inputs"]],
         args.get("model") or old["model"]["path"],
         {**base_sampling, **args.get("sampling", {})},
         seed=pick("seed", 0),

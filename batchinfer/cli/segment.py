@@ -91,7 +91,7 @@ def segment_command(
             try:
                 plan = plans.open_or_create(candidate, explain=sources.listing_changes)
             except PlanMismatchError:
-                sources.remove_new_manifests(candidate.doc, plan.doc)
+                sources.remove_new_manifests(candidate, plan)
                 raise
         plans.verify_inputs(plan)
     else:
@@ -140,7 +140,7 @@ def _build(
         if images:
             patterns.append(str(sources.write_manifest(job_dir, images, params["prompts"])))
     else:
-        patterns = [f["path"] for f in old["inputs"]]
+        patterns = [f["path"] for f in plans.absolute_inputs(old, job_dir)["inputs"]]
     keep = args.get("keep_columns")
     return plans.build_plan(
         job_dir,

@@ -80,6 +80,8 @@ def slurm_command(ctx: click.Context, job_dir: Path, submit: bool, retry: bool, 
             setattr(saved, name, list(value) if name == "sbatch_args" else value)
     opts = slurm.SlurmOptions(**{name: getattr(saved, name) for name in _OPTION_FIELDS})
 
+    if submit or retry:  # a damaged chunk's shard is submitted again
+        attempts.reopen_damaged(plan)
     todo = attempts.incomplete_shards(plan)
     if not todo:
         click.echo(f"all {plan.num_shards} shards of {job_dir} are done; nothing to submit")

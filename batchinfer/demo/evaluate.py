@@ -7,6 +7,7 @@ query over the job's results, the same query `make demo` prints.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import pyarrow.parquet as pq
 from batchinfer.demo.tasks import TASKS, make_mixture
 
 HELDOUT_SEED = 1  # the seed of the published held-out set (examples/ and docs/ACCURACY.md)
+HELDOUT_META = "batchinfer.heldout"
 
-# Per-task exact match over the latest attempt of every row: the demo's and `eval`'s one definition.
+# Per-task exact match over the latest attempt of every row (`eval`'s; the Makefile's DEMO_SQL, which
+# `make demo` prints, compares the same trimmed strings).
 ACCURACY_SQL = """
 SELECT task,
        count(*) AS rows,
@@ -47,11 +50,19 @@ def heldout_table(n_per_task: int, seed: int = HELDOUT_SEED, tasks: list[str] | 
 def write_heldout(
     path: str | Path, n_per_task: int, seed: int = HELDOUT_SEED, tasks: list[str] | None = None
 ):
-    """Write the held-out prompt file (deterministic for the same arguments)."""
+    """Write the held-out prompt file (deterministic for the same arguments), the arguments in its
+    metadata (`heldout_args`) so that a rerun of `eval` can leave them out."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(heldout_table(n_per_task, seed, tasks), path)
+    args = json.dumps({"n_per_task": n_per_task, "seed": seed, "tasks": tasks})
+    pq.write_table(heldout_table(n_per_task, seed, tasks).replace_schema_metadata({HELDOUT_META: args}), path)
     return path
+
+
+def heldout_args(path: str | Path) -> dict[str, Any]:
+    """The arguments `write_heldout` made `path` with ({} for a file written before they were kept)."""
+    meta = pq.read_schema(path).metadata or {}
+    return json.loads(meta[HELDOUT_META.encode()]) if HELDOUT_META.encode() in meta else {}
 
 
 def accuracy(job_dir: str | Path) -> dict[str, Any]:

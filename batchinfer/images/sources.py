@@ -23,6 +23,8 @@ import pyarrow.parquet as pq
 
 from batchinfer.errors import InputError
 from batchinfer.jobs import commit
+from batchinfer.jobs import plan as plans
+from batchinfer.jobs.plan import Plan
 
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jfif"}
@@ -115,7 +117,8 @@ def write_manifest(job_dir: Path, images: Sequence[tuple[str, Path]], prompts: S
 
 
 def _manifests(doc: dict[str, Any]) -> list[Path]:
-    """The plan's inputs that are manifests of image files (this module's, in its job directory)."""
+    """The plan's inputs that are manifests of image files (this module's, in its job directory); `doc`'s
+    input paths absolute (`plan.absolute_inputs`)."""
     paths = [Path(f["path"]) for f in doc["inputs"]]
     return [p for p in paths if p.parent.name == MANIFEST_DIR and p.name.startswith("images-")]
 
@@ -148,9 +151,9 @@ def listing_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return changes or ["the same image files, but one's size or the prompts changed"]
 
 
-def remove_new_manifests(new: dict[str, Any], old: dict[str, Any]) -> None:
+def remove_new_manifests(new: Plan, old: Plan) -> None:
     """Delete the manifests a refused plan `new` wrote that the job's plan `old` does not read."""
-    keep = set(_manifests(old))
-    for p in _manifests(new):
+    keep = set(_manifests(plans.absolute_inputs(old.doc, old.job_dir)))
+    for p in _manifests(plans.absolute_inputs(new.doc, new.job_dir)):
         if p not in keep:
             p.unlink(missing_ok=True)
