@@ -191,10 +191,10 @@ def test_damaged_chunk_is_set_aside_and_recomputed_and_stray_files_are_ignored(t
 
 def test_a_killed_plan_writers_temporary_file_is_removed_a_live_ones_kept(tmp_path):
     write_inputs(tmp_path, files=1, rows=6)
-    host = socket.gethostname()
+    host = socket.gethostname()  # pids stop below 2**22 (pid_max)
     out = tmp_path / "out"
     out.mkdir()
-    dead, live = (out / f".plan.json.tmp-{host}-{pid}" for pid in (2**22 + 7, os.getppid()))  # no pid past 2**22
+    dead, live = (out / f".plan.json.tmp-{host}-{pid}" for pid in (2**22 + 7, os.getppid()))
     other_host = out / ".plan.json.tmp-elsewhere-123"  # maybe being written on another node right now
     for p in (dead, live, other_host):
         p.write_text("{")
