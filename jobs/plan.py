@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -109,6 +110,19 @@ class Plan:
         return cls(job_dir, doc)
 
 
+def check_job_dir(job_dir: Path) -> None:
+    """Refuse a job directory that cannot hold a job: a file, a path under a file, a folder this user
+    cannot write (before anything is validated or written, so the error is one line)."""
+    if job_dir.exists() and not job_dir.is_dir():
+        raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")
+    nearest = next(p for p in (job_dir, *job_dir.parents) if p.exists())
+    if not nearest.is_dir():
+        raise InputError(f"--output {job_dir}: {nearest} is a file, not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        what = "write in it" if nearest == job_dir else f"create it in {nearest}"
+        raise InputError(f"--output {job_dir}: permission denied; cannot {what}")
+
+
 def absolute_inputs(doc: dict[str, Any], job_dir: Path) -> dict[str, Any]:
     """`doc` with its input paths absolute: a plan keeps the files it made inside its job directory
     (`eval`'s held-out set, `segment`'s image listings) relative to it, so that a job folder moved or
@@ -151,8 +165,7 @@ def build_plan(
     messages; used when only comparing against an existing plan, whose fingerprints already vouch for
     the rows). `task` picks the task (jobs.tasks); for `image`, `sampling` holds the thresholds."""
     job_dir = Path(job_dir).resolve()
-    if job_dir.exists() and not job_dir.is_dir():
-        raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")
+    check_job_dir(job_dir)
     if chunk_rows < 1:
         raise InputError(f"chunk_rows must be >= 1, got {chunk_rows}")
     kind = tasks.get(task)

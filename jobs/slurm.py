@@ -45,6 +45,23 @@ class SlurmError(BatchinferError):
 _SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|infinite|unlimited", re.IGNORECASE)
 
 
+def _time_seconds(time: str | None) -> int | None:
+    """Seconds of a `_SLURM_TIME` --time (None: no limit given)."""
+    if time is None or time.lower() in ("infinite", "unlimited"):
+        return None
+    days, _, rest = time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:  # days-hours[:minutes[:seconds]]
+        h, m, s = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + s
+    m, s = parts[0], 0  # minutes, minutes:seconds, hours:minutes:seconds
+    if len(parts) == 2:
+        m, s = parts
+    elif len(parts) == 3:
+        m, s = parts[0] * 60 + parts[1], parts[2]
+    return m * 60 + s
+
+
 @dataclass(slots=True)
 class SlurmOptions:
     """What goes into the #SBATCH header. Saved per job dir so `--retry` reuses it."""
@@ -84,6 +101,17 @@ class SlurmOptions:
                 if value is not None and (not value or any(c.isspace() for c in value)):
                     flag = "--sbatch-arg" if name == "sbatch_args" else "--" + name.replace("_", "-")
                     raise InputError(f"{flag} {value!r}: expected a value without spaces or newlines")
+
+    def check_signal(self) -> None:
+        """Refuse a USR2 due before the task starts (checked on the options a script is written with, not
+        on saved ones, so that the flags can still correct them)."""
+        limit = _time_seconds(self.time)
+        if limit is not None and self.signal_seconds >= limit:
+            raise InputError(
+                f"--signal-seconds {self.signal_seconds} is not under --time {self.time} ({limit} s): every "
+                "task would be told to stop as it starts, then requeue; use a longer --time or a smaller "
+                "--signal-seconds"
+            )
 
     def sbatch_lines(self) -> list[str]:
         lines = [
@@ -175,6 +203,13 @@ def sbatch_argv(script: Path, group: ArrayGroup, opts: SlurmOptions, after: str 
     return argv + [str(script)]
 
 
+def manual_commands(script: Path, groups: list[ArrayGroup], opts: SlurmOptions) -> list[str]:
+    """The sbatch calls to submit the script by hand; with a throttle, each after the first waits for the
+    one before (`submit` fills in the job id)."""
+    after = "JOB_ID_OF_THE_ONE_ABOVE" if opts.max_running else None
+    return [shlex.join(sbatch_argv(script, g, opts, after if i else None)) for i, g in enumerate(groups)]
+
+
 def render(
     job_dir: Path, plan_id: str, num_shards: int, groups: list[ArrayGroup], opts: SlurmOptions, max_array: int
 ) -> str:
@@ -191,7 +226,7 @@ def render(
         plan_id=plan_id,
         num_shards=num_shards,
         max_array_size=max_array,
-        submit_commands=[shlex.join(sbatch_argv(script, g, opts)) for g in groups],
+        submit_commands=manual_commands(script, groups, opts),
         signal_seconds=opts.signal_seconds,
         job_name=opts.job_name or f"batchinfer-{job_dir.name}",
         log_dir=job_dir / SLURM_DIR / "logs",
@@ -199,6 +234,7 @@ def render(
         sbatch_lines=opts.sbatch_lines(),
         setup=opts.setup,
         worker_command=shlex.join(worker_argv(job_dir)),
+        job_dir_shell=shlex.quote(str(job_dir)),
     )
 
 

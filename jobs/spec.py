@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from batchinfer.engine.api import SamplingParams
 from batchinfer.errors import ConfigError
 
 SAMPLING_KEYS = {
@@ -76,6 +77,13 @@ def load_spec(path: str | Path) -> dict[str, Any]:
                 f"{path}: unknown key sampling.{key}; known: {', '.join(sorted(SAMPLING_KEYS))}"
             )
         _check_type(path, f"sampling.{key}", value, SAMPLING_KEYS[key])
+    try:
+        SamplingParams(**raw.get("sampling", {}))
+    except ValueError as e:
+        raise ConfigError(f"{path}: [sampling]: {e}") from None
+    for key, value in raw.get("engine_args", {}).items():
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{path}: key 'engine_args.{key}': expected a string, number or boolean")
     base = path.resolve().parent
     spec = dict(raw)
     for key in PATH_KEYS:
@@ -84,8 +92,14 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     if "input" in spec:
         items = [spec["input"]] if isinstance(spec["input"], str) else spec["input"]
         spec["input"] = [str(_resolve(base, i)) for i in items]
-    spec["engine_args"] = {str(k): str(v) for k, v in spec.get("engine_args", {}).items()}
+    spec["engine_args"] = {str(k): _arg_text(v) for k, v in spec.get("engine_args", {}).items()}
     return spec
+
+
+def _arg_text(value: Any) -> str:
+    """An engine argument as `--engine-arg KEY=VALUE` spells it: a boolean as true or false (str() gives
+    True, which a later `--engine-arg KEY=true` would count as another plan)."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def _resolve(base: Path, value: str) -> Path:

@@ -327,6 +327,8 @@ def test_spec_file_and_examples(tmp_path):
     assert r.returncode == 0, r.stderr  # the flag adds its key to the file's table
     args = json.loads((tmp_path / "merged" / "plan.json").read_text())["engine"]["args"]
     assert args == {"fail_marker": "FAIL", "max_context": "100"}
+    spec.write_text(original + "[engine_args]\nflag = true\n")  # spelled as `--engine-arg flag=true` is
+    assert load_spec(spec)["engine_args"] == {"flag": "true"}
     spec.write_text(original)
     spec.write_text(spec.read_text().replace("[sampling]", 'progress = "json"\n[sampling]'))
     r = run_cli("run", str(spec))
@@ -345,6 +347,8 @@ def test_spec_file_and_examples(tmp_path):
         ("job.toml", "input = [1]\n", "key 'input': expected a list of strings, found [1]"),
         ("job.toml", "shards = 0\n", "key 'shards': expected a whole number >= 1, found 0"),
         ("job.toml", "[sampling]\nstop = [1]\n", "key 'sampling.stop': expected a list of strings"),
+        ("job.toml", "[sampling]\ntemperature = -1\n", "job.toml: [sampling]: temperature must be"),
+        ("job.toml", "[engine_args]\na = [1]\n", "key 'engine_args.a': expected a string, number or"),
     ):
         (tmp_path / name).write_text(text)
         r = run_cli("run", str(tmp_path / name))
@@ -391,6 +395,10 @@ def test_engine_and_usage_errors(tmp_path):
     r = run_cli(*echo_args(tmp_path, tmp_path / "afile"))
     assert r.returncode == 2 and "a file; expected a job directory" in r.stderr
     assert "Traceback" not in r.stderr
+    for command in (echo_args(tmp_path, tmp_path / "afile" / "job"), ["eval", "-m", str(REPO / "models" /
+                    "demo-qwen3.5-moe"), "-o", str(tmp_path / "afile" / "job")]):  # fmt: skip
+        r = run_cli(*command)  # a traceback (NotADirectoryError) when the plan was written
+        assert r.returncode == 2 and f"{tmp_path / 'afile'} is a file, not a folder" in r.stderr, r.stderr
     shutil.rmtree(tmp_path / "model")
     r = run_cli(*echo_args(tmp_path, tmp_path / "o3"))
     assert r.returncode == 2 and f"{tmp_path / 'model'}: no such checkpoint folder" in r.stderr

@@ -133,6 +133,48 @@ def test_options_render_into_sbatch_header():
             slurm.SlurmOptions(**kwargs)
 
 
+def test_signal_seconds_must_fall_inside_the_time_limit(tmp_path, fake_slurm):
+    plan = make_job(tmp_path, rows=4, shards=2)
+    result = CliRunner().invoke(cli, ["slurm", str(plan.job_dir), "--time", "2"])
+    assert isinstance(result.exception, InputError)
+    assert "--signal-seconds 300 is not under --time 2 (120 s)" in str(result.exception)
+    assert not (plan.job_dir / "slurm" / "batchinfer.sbatch").exists()
+    assert (
+        CliRunner()
+        .invoke(cli, ["slurm", str(plan.job_dir), "--time", "2", "--signal-seconds", "60"])
+        .exit_code
+        == 0
+    )
+    for time_, seconds in (
+        ("90", 5400),
+        ("1:30", 90),
+        ("2:00:00", 7200),
+        ("1-12", 129600),
+        ("1-0:0:5", 86405),
+    ):
+        with pytest.raises(InputError, match=re.escape(f"({seconds} s)")):
+            slurm.SlurmOptions(time=time_, signal_seconds=seconds).check_signal()
+        slurm.SlurmOptions(time=time_, signal_seconds=seconds - 1).check_signal()
+    slurm.SlurmOptions(time="unlimited", signal_seconds=10**6).check_signal()
+
+
+def test_hand_submitted_throttled_blocks_wait_for_the_one_above(tmp_path):
+    groups = slurm.array_groups(list(range(5)), 2)
+    script = tmp_path / "s.sbatch"
+    throttled = slurm.manual_commands(script, groups, slurm.SlurmOptions(max_running=1))
+    assert "--dependency" not in throttled[0]
+    assert all("--dependency=afterany:JOB_ID_OF_THE_ONE_ABOVE" in c for c in throttled[1:])
+    assert not any("--dependency" in c for c in slurm.manual_commands(script, groups, slurm.SlurmOptions()))
+
+
+def test_the_requeue_failure_hint_prints_the_job_path_as_it_is(tmp_path):
+    job_dir = tmp_path / "job$HOME`echo x`"
+    text = slurm.render(job_dir, "p", 1, slurm.array_groups([0], 10), slurm.SlurmOptions(), 10)
+    line = next(x.strip() for x in text.splitlines() if "resubmit with" in x)
+    out = subprocess.run(["bash", "-c", line], capture_output=True, text=True).stdout
+    assert out.strip().endswith(f"resubmit with: batchinfer slurm {job_dir} --retry")
+
+
 def _header(script: Path) -> list[str]:
     return [
         line[len("#SBATCH ") :] for line in script.read_text().splitlines() if line.startswith("#SBATCH ")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from batchinfer.cli.options import make_parent, output_folder
-from batchinfer.errors import InputError, PlanMismatchError
+from batchinfer.errors import PlanMismatchError
 
 N_PER_TASK = 200
 MAX_TOKENS = 32
@@ -136,8 +136,7 @@ def eval_command(
     if engine_args is not None:
         check_args_here(plans.DEFAULT_ENGINE, engine_args)  # a mistyped --engine-arg stops before the plan
     job_dir = output.resolve()
-    if job_dir.exists() and not job_dir.is_dir():
-        raise InputError(f"--output {job_dir}: a file; expected a job directory (new or existing)")
+    plans.check_job_dir(job_dir)
     job_tasks.get("llm").describe_model(model)  # a bad --model stops before anything is written
     given = {"n_per_task": n_per_task, "seed": seed, "tasks": names, "max_tokens": max_tokens}
     args = _resumed(job_dir, {**given, "engine_args": engine_args})

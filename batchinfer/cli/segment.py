@@ -77,6 +77,7 @@ def segment_command(
     from batchinfer.jobs.commit import PLAN_FILE
 
     job_dir = Path(output).resolve()
+    plans.check_job_dir(job_dir)  # before the image listing is written there
     here = not plan_only and gpus is None  # the engine starts in this process: its arguments fit this machine
     given = {k: v for k, v in flags.items() if v not in (None, ())}
     if (job_dir / PLAN_FILE).exists() and not force_new_plan:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 import click
@@ -79,6 +78,7 @@ def slurm_command(ctx: click.Context, job_dir: Path, submit: bool, retry: bool, 
             value = given[name]
             setattr(saved, name, list(value) if name == "sbatch_args" else value)
     opts = slurm.SlurmOptions(**{name: getattr(saved, name) for name in _OPTION_FIELDS})
+    opts.check_signal()
 
     if submit or retry:  # a damaged chunk's shard is submitted again
         attempts.reopen_damaged(plan)
@@ -108,8 +108,8 @@ def slurm_command(ctx: click.Context, job_dir: Path, submit: bool, retry: bool, 
     click.echo(f"wrote {script} for {len(todo)} of {plan.num_shards} shards ({slurm.compress(todo)})")
     if not (submit or retry):
         click.echo("submit with:")
-        for group in groups:
-            click.echo("  " + shlex.join(slurm.sbatch_argv(script, group, opts)))
+        for command in slurm.manual_commands(script, groups, opts):
+            click.echo("  " + command)
         return
     for job_id, group in zip(slurm.submit(job_dir, script, groups, opts), groups, strict=True):
         click.echo(f"submitted array job {job_id}: shards {slurm.compress(group.shards)}")
