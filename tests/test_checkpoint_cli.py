@@ -60,15 +60,15 @@ def test_make_checkpoint_refuses_to_overwrite_without_force(tmp_path):
     assert isinstance(w["layers.0.mlp.experts.0.up_proj"], NVFP4Weight)
 
 
-def test_force_replaces_every_file_of_the_old_checkpoint_and_nothing_else(tiny_checkpoint, tmp_path):
+def test_force_replaces_the_old_checkpoints_files_and_nothing_else(tiny_checkpoint, tmp_path):
     out = tmp_path / "ck"
     _run("make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(out), "--quant", "nvfp4")
-    (out / "README.md").write_text("the old checkpoint's card")
+    (out / "README.md").write_text("the user's model card")  # not a checkpoint file: kept
     (out / "keep").mkdir()
     res = _run("make-checkpoint", "--preset", "tiny-sam3", "--out", str(out), "--force")
     # the LLM's config.json beside sam3.safetensors made the folder a broken LLM checkpoint, counted 8 files
-    assert res.exit_code == 0 and res.output.rstrip().endswith("1 file, 7.57 MB")
-    assert sorted(p.name for p in out.iterdir()) == ["keep", "sam3.safetensors"]
+    assert res.exit_code == 0 and res.output.rstrip().endswith("2 files, 7.57 MB")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "keep", "sam3.safetensors"]
     user = tmp_path / "home"
     user.mkdir()
     (user / "notes.txt").write_text("mine")

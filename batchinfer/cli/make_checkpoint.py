@@ -23,7 +23,10 @@ def holds_checkpoint(folder: Path) -> bool:
 def check_out_dir(out: Path, force: bool) -> None:
     """Before any weights are drawn: refuse a folder that cannot be created, a non-empty one that holds no
     checkpoint (nothing is written among a user's files), and one that holds a checkpoint unless --force,
-    which removes that checkpoint's files (every file at its top level) so none is left beside the new one."""
+    which removes that checkpoint's files (those at its top level a checkpoint is made of: config, weights,
+    tokenizer, chat template) so none is left beside the new one; a README or a training log stays."""
+    from batchinfer.jobs.plan import MODEL_FILE_SUFFIXES
+
     if out.is_file():
         raise CheckpointError(f"{out}: exists and is a file; expected a folder")
     if out.is_dir() and any(out.iterdir()):
@@ -35,7 +38,7 @@ def check_out_dir(out: Path, force: bool) -> None:
         if not force:
             raise CheckpointError(f"{out}: already holds a checkpoint; pass --force to replace it")
         for path in out.iterdir():
-            if path.is_file() or path.is_symlink():
+            if (path.is_file() or path.is_symlink()) and path.suffix in MODEL_FILE_SUFFIXES:
                 path.unlink()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +104,9 @@ def check_device(device: str) -> None:
     help="Seeded random weights: what this command always writes (accepted so commands can say so).",
 )
 @click.option(
-    "--force", is_flag=True, help="Replace a checkpoint already in --out (its files are removed first)."
+    "--force",
+    is_flag=True,
+    help="Replace a checkpoint already in --out (its config, weight and tokenizer files are removed first).",
 )
 def make_checkpoint_command(
     preset: str, out: Path, quant: str, seed: int, device: str, fmt: str, random_weights: bool, force: bool

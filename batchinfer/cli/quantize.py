@@ -35,7 +35,9 @@ from batchinfer.cli.options import output_folder
     help="Where the weights are loaded and quantized.",
 )
 @click.option(
-    "--force", is_flag=True, help="Replace a checkpoint already in DST (its files are removed first)."
+    "--force",
+    is_flag=True,
+    help="Replace a checkpoint already in DST (its config, weight and tokenizer files are removed first).",
 )
 def quantize_command(src: Path, dst: Path, scheme: str, fmt: str, device: str, force: bool) -> None:
     """Quantize the BF16 (or FP16/FP32) checkpoint SRC into DST, weight-only.
