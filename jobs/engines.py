@@ -4,7 +4,8 @@ The default factory is `batchinfer.engine.loader:load_engine`; `--engine module:
 other object with `describe()` and `generate()` (engine/api.py's TextEngine), e.g. the model-free
 `batchinfer.jobs.echo:EchoEngine` for dry runs. The factory is called as `factory(model_path, **args)`
 with the plan's string arguments (`--engine-arg KEY=VALUE`). A factory may carry `check_args(**args)`,
-which checks their values without a model or a GPU; it runs before a plan records them.
+which checks their values without a model or a GPU, and `check_model(model_path)`, which checks the
+checkpoint's files without loading its weights; both run before a plan records them.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def check_args(spec: str, args: dict[str, Any]) -> Callable[..., TextEngine]:
     return factory
 
 
+def check_model(spec: str, model_path: str) -> None:
+    """The factory's own `check_model(model_path)`, where it has one: a checkpoint it could never load
+    (no tokenizer, no weights) is refused before a plan records its files (adding them later changes them,
+    and with them the plan)."""
+    check = getattr(resolve_factory(spec), "check_model", None)
+    if callable(check):
+        check(model_path)
+
+
 def check_args_here(spec: str, args: dict[str, Any]) -> None:
     """`check_args` for a run that starts on this machine now. Where the factory's check takes `device` and
     this machine has no CUDA GPU, a CUDA device is refused and a device left to the engine is checked as
@@ -84,8 +94,8 @@ def check_args_here(spec: str, args: dict[str, Any]) -> None:
         check(**{**args, "device": "cpu"})
     except ConfigError as e:
         raise ConfigError(
-            f"{e}; this machine has no CUDA GPU, so the run would start the reference engine here (make the "
-            "plan with --plan-only and run it on a GPU machine, or drop the argument)"
+            f"{e}; this machine has no CUDA GPU, so device=auto is its CPU and engine=auto the reference "
+            "engine (make the plan with --plan-only and run it on a GPU machine, or drop the argument)"
         ) from None
 
 

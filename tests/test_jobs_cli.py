@@ -13,6 +13,7 @@ from batchinfer.jobs.spec import load_spec
 from jobs_fixtures import ECHO, echo_args, model_dir, run_cli, write_inputs
 
 REPO = Path(__file__).resolve().parents[1]
+DEMO_MODEL = REPO / "models" / "demo-qwen3.5-moe"
 
 
 def _digest(out: Path) -> dict[str, str]:
@@ -453,8 +454,7 @@ def test_engine_arg_values_are_checked_before_the_plan(tmp_path):
     """A value the default engine would refuse at load is refused before the plan records it (correcting
     it later would change the plan); a plan made where the run's GPU is absent is not refused for it."""
     write_inputs(tmp_path, files=1, rows=4)
-    model_dir(tmp_path)
-    base = ["run", "-i", str(tmp_path / "in"), "-m", str(tmp_path / "model"), "--progress", "none"]
+    base = ["run", "-i", str(tmp_path / "in"), "-m", str(DEMO_MODEL), "--progress", "none"]
     for args, message in (
         (["max_slots=abc"], "max_slots='abc' is not an integer"),
         (["engine=reference", "deltanet_state=float16"], "deltanet_state=float16 applies to the fast engine"),
@@ -471,6 +471,16 @@ def test_engine_arg_values_are_checked_before_the_plan(tmp_path):
     for i, args in enumerate((["device=cuda:1", "deltanet_state=float16"], ["engine=fast", "dtype=bf16"])):
         ok = [*[a for x in args for a in ("--engine-arg", x)], "--plan-only"]
         assert run_cli(*base, "-o", str(tmp_path / f"login{i}"), *ok).returncode == 0  # the GPU node checks
+    partial = tmp_path / "partial"  # a checkpoint the engine could never load, --plan-only or not
+    partial.mkdir()
+    shutil.copy(DEMO_MODEL / "config.json", partial)
+    for extra in ((), ("--plan-only",)):
+        r = run_cli(*base[:3], "-m", str(partial), "-o", str(tmp_path / "p"), *extra)
+        assert r.returncode == 2 and f"{partial / 'tokenizer.json'}: no tokenizer.json found" in r.stderr
+        assert not (tmp_path / "p").exists()
+    shutil.copy(DEMO_MODEL / "tokenizer.json", partial)
+    r = run_cli(*base[:3], "-m", str(partial), "-o", str(tmp_path / "p"), "--plan-only")
+    assert r.returncode == 2 and f"{partial}: no model.safetensors or model.safetensors.index" in r.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
@@ -479,15 +489,15 @@ def test_a_run_starting_here_checks_its_engine_arguments_on_this_machine(tmp_pat
     takes, or a CUDA device, is refused before the plan records it (else every rerun fails at load, and
     correcting it is a different job); --plan-only keeps the plan for a GPU machine."""
     write_inputs(tmp_path, files=1, rows=4)
-    model_dir(tmp_path)
-    base = ["run", "-i", str(tmp_path / "in"), "-m", str(tmp_path / "model"), "--progress", "none"]
+    base = ["run", "-i", str(tmp_path / "in"), "-m", str(DEMO_MODEL), "--progress", "none"]
     for arg, message in (
         ("kv_cache=fp8", "kv_cache=fp8 applies to the fast engine (engine=fast); this machine has no CUDA"),
-        ("bf16_experts=true", "this machine has no CUDA GPU, so the run would start the reference engine"),
+        ("bf16_experts=true", "this machine has no CUDA GPU, so device=auto is its CPU and engine=auto the"),
+        ("engine=fast", "needs a CUDA device, got device 'cpu' (engine=reference runs anywhere"),
         ("device=cuda", "--engine-arg device=cuda: this machine has no CUDA GPU"),
     ):
         out = tmp_path / "here"
-        r = run_cli(*base, "-o", str(out), "--engine-arg", arg)
+        r = run_cli(*base, "-o", str(out), "--engine-arg", arg, env={"TRITON_INTERPRET": "0"})
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not (out / "plan.json").exists()
         assert run_cli(*base, "-o", str(tmp_path / arg), "--engine-arg", arg, "--plan-only").returncode == 0

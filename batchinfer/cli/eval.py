@@ -120,7 +120,7 @@ def eval_command(
     from batchinfer.jobs import attempts
     from batchinfer.jobs import plan as plans
     from batchinfer.jobs import tasks as job_tasks
-    from batchinfer.jobs.engines import check_args_here, parse_args
+    from batchinfer.jobs.engines import check_args_here, check_model, parse_args
     from batchinfer.jobs.query import check_out
     from batchinfer.jobs.worker import EXIT_STOPPED
 
@@ -138,6 +138,7 @@ def eval_command(
     job_dir = output.resolve()
     plans.check_job_dir(job_dir)
     job_tasks.get("llm").describe_model(model)  # a bad --model stops before anything is written
+    check_model(plans.DEFAULT_ENGINE, model)
     given = {"n_per_task": n_per_task, "seed": seed, "tasks": names, "max_tokens": max_tokens}
     args = _resumed(job_dir, {**given, "engine_args": engine_args})
     n_per_task, seed, names, max_tokens = args["n_per_task"], args["seed"], args["tasks"], args["max_tokens"]

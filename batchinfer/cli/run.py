@@ -210,7 +210,7 @@ def _build(
     """The plan `args` describe; unspecified fields come from the existing plan `old` (or defaults)."""
     from batchinfer.engine.api import SamplingParams
     from batchinfer.jobs import plan as plans
-    from batchinfer.jobs.engines import check_args, check_args_here
+    from batchinfer.jobs.engines import check_args, check_args_here, check_model
 
     def pick(key: str, default: Any) -> Any:
         return args[key] if key in args else (default if old is None else old[key])
@@ -219,7 +219,7 @@ def _build(
     engine = args.get("engine") or (old["engine"]["factory"] if old else plans.DEFAULT_ENGINE)
     engine_args = args["engine_args"] if "engine_args" in args else (old["engine"]["args"] if old else {})
     (check_args_here if here else check_args)(engine, engine_args)  # here: this run starts now
-    return plans.build_plan(
+    plan = plans.build_plan(
         job_dir,
         args.get("input") or [f["path"] for f in plans.absolute_inputs(old, job_dir)["inputs"]],
         args.get("model") or old["model"]["path"],
@@ -232,6 +232,8 @@ def _build(
         engine_args=engine_args,
         check_rows=check_rows,
     )
+    check_model(engine, plan.doc["model"]["path"])  # after the plan's own model checks, before it is saved
+    return plan
 
 
 def _sampling_dict(p: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from batchinfer.checkpoint.loader import load_checkpoint, model_config_from_hf, read_raw_config
+from batchinfer.checkpoint.safetensors_io import TensorSource
 from batchinfer.engine.fast import (
     MAX_SLOTS,
     PREFILL_GRAPH_TOKENS,
@@ -207,8 +208,18 @@ def check_engine_args(
             raise ConfigError(
                 f"device {device!r} is not a device; expected auto, cpu, cuda or cuda:N"
             ) from None
+    if engine == "fast" and kind == "cpu":
+        _check_fast_device(device, kind)
     if engine != "auto" or kind is not None:  # auto on a named device: fast exactly on cuda
         _check_fit(opts, engine == "fast" or (engine == "auto" and kind == "cuda"))
+
+
+def _check_fast_device(device: str, kind: str) -> None:
+    if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            f"engine=fast runs Triton kernels and needs a CUDA device, got device {device!r} "
+            "(engine=reference runs anywhere; TRITON_INTERPRET=1 interprets the kernels on a CPU, for tests)"
+        )
 
 
 def load_engine(
@@ -251,11 +262,8 @@ def load_engine(
     )  # fmt: skip
     dev = resolve_device(device)
     fast = engine == "fast" or (engine == "auto" and dev.type == "cuda")
-    if fast and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(
-            f"engine=fast runs Triton kernels and needs a CUDA device, got device {device!r} "
-            "(engine=reference runs anywhere; TRITON_INTERPRET=1 interprets the kernels on a CPU, for tests)"
-        )
+    if fast:
+        _check_fast_device(device, dev.type)
     try:
         _check_fit(opts, fast)
     except ConfigError as e:
@@ -325,4 +333,14 @@ def load_engine(
     )
 
 
+def check_model(model_path: str | Path) -> None:
+    """What `load_engine` reads before the weights (config.json, the tokenizer, the safetensors headers),
+    without loading a tensor."""
+    path = Path(model_path)
+    model_config_from_hf(read_raw_config(path), source=str(path / "config.json"))
+    Tokenizer.from_pretrained(path)
+    TensorSource.from_path(path).close()
+
+
 load_engine.check_args = check_engine_args  # type: ignore[attr-defined]  # run by jobs.engines.check_args
+load_engine.check_model = check_model  # type: ignore[attr-defined]  # run by jobs.engines.check_model
