@@ -79,7 +79,7 @@ def reopen_damaged(plan: Plan) -> list[Path]:
     that the runner computes that chunk again (its shard's whole chunks are kept); returns the chunks. A
     chunk is published whole, so damage came from outside: an interrupted copy of the folder, a disk."""
     reopened = []
-    for path in commit.damaged_chunks(plan.job_dir):
+    for path in commit.damaged_chunks(commit.chunk_files(plan.job_dir)):
         shard, attempt = commit.chunk_place(path)
         try:
             aside = commit.set_aside(path)

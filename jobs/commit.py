@@ -71,9 +71,9 @@ def is_whole_parquet(path: Path) -> bool:
         return False
 
 
-def damaged_chunks(job_dir: Path) -> list[Path]:
-    """Chunk files that are not whole Parquet files."""
-    return [p for p in chunk_files(job_dir) if not is_whole_parquet(p)]
+def damaged_chunks(chunks: list[Path]) -> list[Path]:
+    """Those of `chunks` (`chunk_files`) that are not whole Parquet files."""
+    return [p for p in chunks if not is_whole_parquet(p)]
 
 
 def chunk_place(path: Path) -> tuple[int, int]:

@@ -38,7 +38,8 @@ def _empty_results(plan: Plan) -> pa.Table:
 def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with the job's views defined."""
     plan = Plan.load(job_dir)
-    damaged = commit.damaged_chunks(plan.job_dir)
+    chunks = commit.chunk_files(plan.job_dir)
+    damaged = commit.damaged_chunks(chunks)
     if damaged:
         raise InputError(
             f"{damaged[0]}: a damaged result chunk ({damaged[0].stat().st_size} bytes, not a whole Parquet "
@@ -48,7 +49,7 @@ def connect(job_dir: str | Path) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     con.execute("SET python_enable_replacements = false")  # else a missing view reads a Python variable
     glob = str(plan.job_dir / commit.RESULTS_GLOB)
-    if commit.chunk_files(plan.job_dir):
+    if chunks:
         con.execute(f"CREATE VIEW results AS SELECT * FROM read_parquet({_sql_str(glob)})")
     else:
         con.register("_no_results", _empty_results(plan))

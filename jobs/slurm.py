@@ -49,17 +49,12 @@ def _time_seconds(time: str | None) -> int | None:
     """Seconds of a `_SLURM_TIME` --time (None: no limit given)."""
     if time is None or time.lower() in ("infinite", "unlimited"):
         return None
-    days, _, rest = time.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
+    days, _, clock = time.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
     if days:  # days-hours[:minutes[:seconds]]
-        h, m, s = (parts + [0, 0])[:3]
-        return ((int(days) * 24 + h) * 60 + m) * 60 + s
-    m, s = parts[0], 0  # minutes, minutes:seconds, hours:minutes:seconds
-    if len(parts) == 2:
-        m, s = parts
-    elif len(parts) == 3:
-        m, s = parts[0] * 60 + parts[1], parts[2]
-    return m * 60 + s
+        return int(days) * 86400 + sum(p * w for p, w in zip(parts, (3600, 60, 1), strict=False))  # H[:M[:S]]
+    weights = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(parts)]  # M, M:S, H:M:S
+    return sum(p * w for p, w in zip(parts, weights, strict=True))
 
 
 @dataclass(slots=True)

@@ -176,7 +176,8 @@ def test_damaged_chunk_is_set_aside_and_recomputed_and_stray_files_are_ignored(t
     assert _latest(p.job_dir) == before
     chunk = commit.chunk_path(p.job_dir, 1, 1, 1)
     chunk.write_bytes(chunk.read_bytes()[:-9])  # truncated: its footer is gone
-    assert commit.damaged_chunks(p.job_dir) == [chunk] and attempts.incomplete_shards(p) == []
+    assert commit.damaged_chunks(commit.chunk_files(p.job_dir)) == [chunk]
+    assert attempts.incomplete_shards(p) == []
     with pytest.raises(InputError, match=r"chunk-00001.parquet: a damaged result chunk \(\d+ bytes"):
         query.connect(p.job_dir)
     assert attempts.reopen_damaged(p) == [chunk]

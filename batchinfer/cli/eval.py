@@ -61,8 +61,8 @@ def _resumed(job_dir: Path, given: dict[str, Any]) -> dict[str, Any]:
         plan = Plan.load(job_dir)
         saved = {**heldout_args(heldout), "max_tokens": plan.sampling["max_tokens"]}
         saved["engine_args"] = plan.doc["engine"]["args"]
-    defaults = {"n_per_task": N_PER_TASK, "seed": HELDOUT_SEED, "tasks": None, "max_tokens": MAX_TOKENS}
-    defaults["engine_args"] = {}
+    defaults = {"n_per_task": N_PER_TASK, "seed": HELDOUT_SEED, "tasks": None, "max_tokens": MAX_TOKENS,
+                "engine_args": {}}  # fmt: skip
     return {k: v if v is not None else saved.get(k, defaults[k]) for k, v in given.items()}
 
 
@@ -111,8 +111,7 @@ def eval_command(
     like `batchinfer run` (resumable: a rerun takes the options it leaves out from the job), and the
     accuracy comes from a DuckDB query over the results joined with the expected answers. Prints a
     table; --json writes the same figures. Error and skipped rows count as wrong and are shown as "not
-    answered"; a job with shards still running elsewhere
-    is not scored.
+    answered"; a job with shards still running elsewhere is not scored.
     """
     from batchinfer.cli.run import default_progress, execute
     from batchinfer.demo.evaluate import accuracy

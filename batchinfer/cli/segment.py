@@ -98,10 +98,10 @@ def segment_command(
     else:
         if not given.get("inputs"):
             raise InputError(f"{job_dir}: a new image job needs --input")
-        if (given.get("engine") or DEFAULT_IMAGE_ENGINE) == DEFAULT_IMAGE_ENGINE:
-            from batchinfer.images.sam3_engine import check_model
+        from batchinfer.jobs.engines import check_model
 
-            check_model(given.get("model", ""))  # else a plan that cannot run, and --model later changes it
+        # else a plan that cannot run, and --model later changes it
+        check_model(given.get("engine") or DEFAULT_IMAGE_ENGINE, given.get("model", ""))
         candidate = _build(job_dir, given, None, check_rows=True, here=here)
         if force_new_plan:
             plans.set_aside(job_dir)

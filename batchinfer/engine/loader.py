@@ -208,7 +208,7 @@ def check_engine_args(
             raise ConfigError(
                 f"device {device!r} is not a device; expected auto, cpu, cuda or cuda:N"
             ) from None
-    if engine == "fast" and kind == "cpu":
+    if engine == "fast" and kind is not None:
         _check_fast_device(device, kind)
     if engine != "auto" or kind is not None:  # auto on a named device: fast exactly on cuda
         _check_fit(opts, engine == "fast" or (engine == "auto" and kind == "cuda"))

@@ -92,6 +92,9 @@ def check_model(model_path: str) -> None:
         raise ConfigError(f"--model {e}") from None
 
 
+load_engine.check_model = check_model  # type: ignore[attr-defined]  # run by jobs.engines.check_model
+
+
 def _device(device: str) -> str:
     """The device to load on (default cuda when there is one), checked before the model is read."""
     if not device:
