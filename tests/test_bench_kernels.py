@@ -15,7 +15,7 @@ from batchinfer.bench.kernels import (
     rotating_sets,
 )
 
-CEILINGS = {"op": "ceilings", "copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 800e12}
+CEILINGS = {"op": "ceilings", "copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 800e12, "launch_s": 0.9e-6}
 
 
 def test_rotating_sets_exceed_twice_l2():
@@ -106,7 +106,7 @@ def test_format_table_marks_targets():
         "target_met": False,
     }
     text = format_table([CEILINGS, row])
-    assert text.splitlines()[0] == "ceilings: copy 4.00 TB/s, bf16 GEMM 800 TFLOP/s"
+    assert text.splitlines()[0] == "ceilings: copy 4.00 TB/s, bf16 GEMM 800 TFLOP/s, an empty launch 0.90 us"
     assert text.splitlines()[-1] == (
         "| nvfp4_gemm | qwen3.6 | q_proj N=8192 K=2048 | 1 | 3.5 | 2.69 | 67% | 0.0 | 0% | cublas_bf16 10.5 "
         "| bandwidth>=70%: NOT met |"

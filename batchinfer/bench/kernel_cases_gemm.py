@@ -4,7 +4,9 @@ Baselines: "dequant+cublas" (the weight's torch `dequantize` to bf16, then `x @ 
 (`x @ W^T` on a bf16 weight already in memory: the same-shape ceiling of issue 5's large-M target)
 and, for FP8, "scaled_mm_w8a8" (per-token FP8 activations through cuBLAS `torch._scaled_mm`,
 quantization included), which is what an FP8-tensor-core path would reach. The MoE baseline is the
-fp32 reference loop over experts (host-synchronising, so timed eagerly).
+fp32 reference loop over experts (host-synchronising, so timed eagerly). At decode sizes (up to
+`STREAM_MAX_M` rows) both also time "stream_read": one launch that only reads the weight bytes the call
+must read (`bench.stream_read`), the floor for a kernel of that size on this GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
+from batchinfer.bench.stream_read import stream_read_baseline
 from batchinfer.kernels.fp8_gemm import fp8_gemm, stack_fp8
 from batchinfer.kernels.fp8_rows_mm import ROWS_MM_MAX_M, fp8_rows_mm
 from batchinfer.kernels.moe import fused_moe, moe_experts_ref, moe_route, moe_route_ref
@@ -22,6 +25,8 @@ from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
 from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemv, stack_nvfp4
 from batchinfer.models.config import ModelConfig
+
+STREAM_MAX_M = 64  # rows (tokens) up to which a call is bandwidth-bound: the stream_read baseline applies
 
 
 def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -87,6 +92,8 @@ def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device, rows_
         stacked = [stack_fp8([w]) for w in ws]
         baselines["fp8_gemm"] = run
         run = lambda i: fp8_rows_mm(xs[i], stacked[i], out=outs[i])  # noqa: E731
+    if m <= STREAM_MAX_M:
+        baselines["stream_read"] = stream_read_baseline(w_bytes, sets, device)
     if kind == "fp8" and m >= 16:
         w_t = ws[0].data.t()
         baselines["scaled_mm_w8a8"] = lambda i: _scaled_mm_w8a8(xs[i], w_t, ws[0].scale)
@@ -164,12 +171,15 @@ def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
         ids, route_w = moe_route_ref(hs[j] @ w.router.t(), e, top_k, True, shared)
         return moe_experts_ref(hs[j], ids, route_w, w)
 
+    baselines = {"reference_loop": reference}
+    if t <= STREAM_MAX_M:
+        baselines["stream_read"] = stream_read_baseline(touched * per_expert, sets, device)
     return Timed(
         run=lambda j: fused_moe(hs[j], paired, top_k, True),
         n_sets=sets,
         bytes=touched * per_expert + io,
         flops=2 * t * slots * 3 * i * d,
-        baselines={"reference_loop": reference},
+        baselines=baselines,
         eager=frozenset({"reference_loop"}),
     )
 

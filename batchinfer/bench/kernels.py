@@ -3,8 +3,10 @@
 Timing: each case allocates enough rotating input sets that together they exceed twice the L2, one
 CUDA graph replays one call per set (so launch gaps stay out, as in the engine's decode graphs), and
 the median over many replays, divided by the number of sets, is the time per call. Ceilings are
-measured in the same run: device-to-device copy bandwidth (bytes read + written) and cuBLAS bf16 GEMM
-at 8192^3 on random data.
+measured in the same run: device-to-device copy bandwidth (bytes read + written), cuBLAS bf16 GEMM
+at 8192^3 on random data, and one empty launch as the decode kernels are launched (`stream_read` of 0
+bytes); decode-size cases also time `stream_read` of their weight bytes as a baseline, what a launch
+that only reads those bytes takes here.
 
 Adding cases (the registration API): a case module holds functions decorated with `@register`; each
 takes `(model_name, config, ms)` and yields `KernelCase`s. A case's `build(device)` allocates its
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from batchinfer.bench import commit_id
+from batchinfer.bench.stream_read import stream_read_baseline
 from batchinfer.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -179,7 +182,8 @@ def time_per_call(fn: Callable[[int], Any], n_sets: int, budget_s: float = 0.3, 
 
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:
-    """Copy bandwidth (bytes/s, read + write) and cuBLAS bf16 GEMM (flop/s) on this GPU, now."""
+    """Copy bandwidth (bytes/s, read + write), cuBLAS bf16 GEMM (flop/s) and one empty PDL launch in a
+    CUDA graph (s) on this GPU, now."""
     src = torch.randn(2**29, device=device, dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
     # Eager: a captured copy becomes a graph memcpy node, which measured 2.7 TB/s on the H200 against
@@ -188,7 +192,12 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     t_mm = time_per_call(lambda i: a @ b, 1, budget_s=1.0, graph=False)
-    return {"copy_bytes_per_s": 2 * 2**30 / t_copy, "bf16_flops_per_s": 2 * 8192**3 / t_mm}
+    t_launch = time_per_call(stream_read_baseline(0, 1, device), 256, budget_s=0.2)
+    return {
+        "copy_bytes_per_s": 2 * 2**30 / t_copy,
+        "bf16_flops_per_s": 2 * 8192**3 / t_mm,
+        "launch_s": t_launch,
+    }
 
 
 def _target_met(case: KernelCase, row: dict[str, Any], ceilings: dict[str, float]) -> bool | None:
@@ -207,9 +216,10 @@ def run_cases(cases: Sequence[KernelCase], device: torch.device) -> Iterator[dic
     """Time each case and its baselines; yields one result row per case (build errors are logged)."""
     ceilings = measure_ceilings(device)
     log.info(
-        "ceilings: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s",
+        "ceilings: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s, an empty launch %.2f us",
         ceilings["copy_bytes_per_s"] / 1e12,
         ceilings["bf16_flops_per_s"] / 1e12,
+        ceilings["launch_s"] * 1e6,
     )
     yield {"op": "ceilings", **ceilings}
     for case in cases:
@@ -270,7 +280,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         if row["op"] == "ceilings":
             lines += [
                 f"ceilings: copy {row['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-                f"bf16 GEMM {row['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
+                f"bf16 GEMM {row['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+                f"an empty launch {row['launch_s'] * 1e6:.2f} us",
                 "",
                 "| op | model | shape | M | us | TB/s | %copy | TFLOP/s | %gemm | baselines (us) | target |",
                 "|---|---|---|---|---|---|---|---|---|---|---|",

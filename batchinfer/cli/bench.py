@@ -73,7 +73,9 @@ def bench() -> None:
 )
 def kernels(model: str, ops: tuple[str, ...], ms: tuple[int, ...], json_out: str | None) -> None:
     """Time every kernel at the real shapes of the model(s) against PyTorch baselines and measured
-    ceilings (copy bandwidth, cuBLAS bf16 GEMM) on this machine's CUDA GPU; prints a markdown table."""
+    ceilings (copy bandwidth, cuBLAS bf16 GEMM, one empty launch) on this machine's CUDA GPU; at decode
+    sizes the linears and the MoE also against a launch that only reads their weight bytes
+    (stream_read). Prints a markdown table."""
     import torch
 
     from batchinfer.bench.kernels import M_VALUES, collect_cases, environment, format_table, run_cases
