@@ -159,3 +159,53 @@ def test_register_cap_changes_no_output_bit(e, d, i, shared):
         free = moe_experts(h, ids, route_w, paired, config=dataclasses.replace(cfg, max_regs=0))
         capped = moe_experts(h, ids, route_w, paired, config=dataclasses.replace(cfg, max_regs=80))
         assert torch.equal(free, capped), (t, cfg)
+
+
+@pytest.mark.parametrize("cfg", CFGS)
+def test_one_launch_gives_the_two_launches_bits(monkeypatch, cfg, t=2, shared=True, i=96):
+    """gate_up and down in one launch (`fused`) run the same per-program arithmetic in the same orders as
+    the two launches: the same bits, with and without the add + RMSNorm, on a second call too (tickets and
+    entry counters reset); every counter back at zero."""
+    w = pair_moe_weights(_weights(6, 128, i, True, shared, seed=41 * t + i))
+    ids, route_w, g = _route(t, 2 + shared, 6 + shared, seed=42 * t)
+    h = torch.randn(t, 128, generator=g).to(torch.bfloat16).to(DEVICE)
+    residual = (torch.randn(t, 128, generator=g) * 4).to(DEVICE)
+    norm_w = (torch.randn(128, generator=g) * 0.5).to(torch.bfloat16).to(DEVICE)
+    one = dataclasses.replace(cfg, fused=True)
+    two_out = moe_experts(h, ids, route_w, w, config=cfg)
+    two_norm = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, True, cfg)
+    with monkeypatch.context() as m:
+        _poisoned_empty(m)
+        for _ in range(2):
+            assert torch.equal(moe_experts(h, ids, route_w, w, config=one), two_out)
+            normed, new_res = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, True, one)
+            assert torch.equal(normed, two_norm[0]) and torch.equal(new_res, two_norm[1])
+    assert _counters_zero(h.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize(("e", "d", "i", "shared"), GPU_MODELS)
+def test_one_launch_gives_the_two_launches_bits_real_shapes(t, e, d, i, shared):
+    """At the models' shapes, in a CUDA graph replayed on new inputs: the one-launch kernel (programs
+    waiting on other programs of the same launch) gives the two launches' bits, replay after replay."""
+    w = pair_moe_weights(_weights(e, d, i, True, shared, seed=7 * t + e))
+    g = torch.Generator().manual_seed(t)
+    h = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids, route_w = moe_route(router_logits(h, w), e, 8, True, shared)
+    residual = (torch.randn(t, d, generator=g) * 4).to(DEVICE)
+    norm_w = (torch.randn(d, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE)
+    two, one = direct_config(), dataclasses.replace(direct_config(), fused=True)
+    moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, True, one)  # compile outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, True, one)
+    for _ in range(3):
+        h.copy_(torch.randn(t, d, generator=g).to(torch.bfloat16))
+        residual.copy_(torch.randn(t, d, generator=g) * 4)
+        fused[0].fill_(float("nan"))
+        graph.replay()
+        ref = moe_experts_add_rmsnorm(h, ids, route_w, w, residual, norm_w, 1e-6, True, two)
+        assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+    assert _counters_zero(h.device)
