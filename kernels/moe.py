@@ -549,8 +549,7 @@ def _moe_decode_down_kernel(
                           (i % steps) * BLOCK_G, G, stride_wn, stride_sk, stride_sn, BLOCK_G, True, False,  #
                           0, PAIRED, INTERPRET)
         out += tl.sum(p, axis=1) * scale
-    store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, pid_s, tl.num_programs(1), T, N, rows,  #
-                     mask_n, stride_om,  #
+    store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, pid_s, T, N, rows, mask_n, stride_om,  #
                      res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h, stride_res_out, eps,  #
                      SPLIT, NORM, ONE_PLUS, BLOCK_D, INTERPRET)
 

@@ -39,13 +39,11 @@ COLUMNS = tl.constexpr(16)  # x^T columns a tile: the smallest MMA N; column 0 h
 @dataclass(frozen=True, slots=True)
 class MoEDirectConfig:
     """gate_up (BLOCK_N, num_warps, num_stages, STEPS, SPLIT: programs a tile over K) and down (BLOCK_N,
-    num_warps, num_stages, STEPS; one program a slot). STEPS and `max_regs` as in `MoETCConfig`. `fused`:
-    both in one launch (`_moe_direct_kernel`), which takes gate_up's num_warps and num_stages for both."""
+    num_warps, num_stages, STEPS; one program a slot). STEPS and `max_regs` as in `MoETCConfig`."""
 
     gate_up: tuple[int, int, int, int, int]
     down: tuple[int, int, int, int]
     max_regs: int = 0
-    fused: bool = False
 
 
 def direct_config() -> MoEDirectConfig:
@@ -75,16 +73,20 @@ def _x_column0(a_ptr, row, stride_am, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_program(
+def _moe_direct_gate_up_kernel(
     a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
-    entry, pid_n, pid_s, tiles, NUMEL, N, A_DIV,  #
+    NUMEL, N, A_DIV,  #
     stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
     K: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr,  #
     INTERPRET: tl.constexpr,  #
+    PDL: tl.constexpr = False,  #
 ):
-    """out[entry, n] = silu(gate[n] . a[tok]) * (up[n] . a[tok]), tok = entry // A_DIV: BLOCK_N rows n
-    (tile pid_n of `tiles`) and one of SPLIT ranges of K. Returns whether this program stored the tile (the
-    last split to arrive)."""
+    """out[entry, n] = silu(gate[n] . a[tok]) * (up[n] . a[tok]), tok = entry // A_DIV: BLOCK_N rows n and
+    one of SPLIT ranges of K a program."""
+    pdl.enter(PDL)
+    entry = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     e = tl.load(ids_ptr + entry).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
@@ -98,84 +100,11 @@ def _gate_up_program(
     gate_up = tl.join(_column0(acc), _column0(acc_up))  # [BN, 2]
     gate_scale = tl.load(ts_ptr + e * 2) * 67108864.0  # tensor scale * 2^26 (`moe_tc`)
     up_scale = tl.load(ts_ptr + e * 2 + 1) * 67108864.0
-    lock = lock_ptr + entry * tiles + pid_n
+    lock = lock_ptr + entry * tl.num_programs(1) + pid_n
     act, last = silu_mul_splits(gate_up, ws_ptr, lock, entry, pid_s, NUMEL, N, rows, mask_n, gate_scale,  #
                                 up_scale, SPLIT, INTERPRET)
     if last:
         tl.store(out_ptr + entry.to(tl.int64) * stride_om + rows, act, mask=mask_n)
-    return last
-
-
-@triton.jit
-def _down_program(
-    a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr, ws_ptr, lock_ptr,  #
-    res_ptr, norm_w_ptr, h_ptr, res_out_ptr, ready_ptr,  #
-    t, pid_n, slot, tiles, T, N, eps, READY,  #
-    stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
-    stride_res, stride_h, stride_res_out,  #
-    K: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr,  #
-    INTERPRET: tl.constexpr, NORM: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    WAIT: tl.constexpr, PREFETCH: tl.constexpr,  #
-):
-    """out[t, n] += route_w * (a[entry] . down_e[n]) for BLOCK_N rows n (tile pid_n of `tiles`), entry =
-    t * SLOTS + slot; the last of a tile's slots sums them, with NORM the row's last tile the add + RMSNorm
-    (`store_token_tile`). WAIT (in the one-launch kernel): the entry's row of `a` is ready once its counter
-    at ready_ptr reaches READY (every gate_up tile stored); until then the program asks the L2 for its
-    codes (PREFETCH); the tiles' last reader resets the counter."""
-    entry = t * SLOTS + slot
-    e = tl.load(ids_ptr + entry).to(tl.int64)
-    scale = tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 67108864.0
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rows < N
-    w_ptrs, s_ptrs = expert_rows(w_ptr, s_ptr, e, rows, stride_we, stride_wn, stride_sk, stride_se, stride_sn,
-                                 STEPS)
-    x_ptrs, col0 = _x_column0(a_ptr, entry, stride_am, STEPS)
-    if WAIT:
-        if PREFETCH:
-            first = pid_n * BLOCK_N
-            pdl.prefetch_l2(w_ptr + e * stride_we + first * stride_wn,
-                            tl.minimum(BLOCK_N, N - first) * stride_wn * 4)
-        counter = ready_ptr + entry
-        while _load_acquire(counter, INTERPRET) < READY:
-            pass
-    acc, _ = expert_tile_dot(x_ptrs, col0, w_ptrs, s_ptrs, mask_n[:, None], 0, N, stride_wn, stride_sk,
-                             stride_sn, K // (32 * STEPS), BLOCK_N, COLUMNS, STEPS, False, INTERPRET, WAIT)
-    if WAIT:
-        if tl.atomic_add(counter, 1) == READY + tiles - 1:  # the entry's last reader
-            tl.atomic_xchg(counter, 0)
-    out = _column0(acc) * scale
-    store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, slot, tiles, T, N, rows, mask_n, stride_om,  #
-                     res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h, stride_res_out, eps,  #
-                     SLOTS, NORM, ONE_PLUS, BLOCK_D, INTERPRET)
-
-
-@triton.jit
-def _load_acquire(ptr, INTERPRET: tl.constexpr):
-    """*ptr (int32) with acquire semantics at GPU scope: loads after it see what the release before the
-    value's increment published."""
-    if INTERPRET:
-        return tl.load(ptr)
-    else:
-        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _moe_direct_gate_up_kernel(
-    a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
-    NUMEL, N, A_DIV,  #
-    stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
-    K: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr,  #
-    INTERPRET: tl.constexpr,  #
-    PDL: tl.constexpr = False,  #
-):
-    """`_gate_up_program` a program: grid (entries, row tiles, SPLIT)."""
-    pdl.enter(PDL)
-    _gate_up_program(a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, ws_ptr, lock_ptr,  #
-                     tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1),  #
-                     NUMEL, N, A_DIV,  #
-                     stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
-                     K, BLOCK_N, STEPS, SPLIT, INTERPRET)
 
 
 @triton.jit
@@ -189,64 +118,27 @@ def _moe_direct_down_kernel(
     INTERPRET: tl.constexpr, NORM: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr,  #
     PDL: tl.constexpr = False,  #
 ):
-    """`_down_program` a program: grid (tokens, row tiles, slots); the token counters follow the tile
-    counters [T * tiles]."""
+    """out[t, n] = sum over the token's SLOTS slots of route_w * (a[entry] . down_e[n]): one program a
+    (token, BLOCK_N rows, slot). NORM: then the residual add + RMSNorm of the token's row into h and
+    res_out (`store_token_tile`; the token counters follow the tile counters [T * tiles])."""
     pdl.enter(PDL)
-    _down_program(a_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ids_ptr, route_w_ptr, ws_ptr, lock_ptr,  #
-                  res_ptr, norm_w_ptr, h_ptr, res_out_ptr, lock_ptr,  #
-                  tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), T, N, eps, 0,  #
-                  stride_am, stride_we, stride_wn, stride_sk, stride_se, stride_sn, stride_om,  #
-                  stride_res, stride_h, stride_res_out,  #
-                  K, BLOCK_N, STEPS, SLOTS, INTERPRET, NORM, ONE_PLUS, BLOCK_D, False, False)
-
-
-@triton.jit
-def _moe_direct_kernel(
-    a_ptr, w13_ptr, s13_ptr, ts13_ptr, inter_ptr, ids_ptr, ws13_ptr, lock13_ptr,  #
-    w2_ptr, s2_ptr, ts2_ptr, out_ptr, route_w_ptr, ws2_ptr, lock2_ptr,  #
-    res_ptr, norm_w_ptr, h_ptr, res_out_ptr, sync_ptr,  #
-    T, NUMEL, I, D, eps, GU_TILES, DOWN_TILES,  #
-    stride_am, stride_w13e, stride_w13n, stride_s13k, stride_s13e, stride_s13n, stride_im,  #
-    stride_w2e, stride_w2n, stride_s2k, stride_s2e, stride_s2n, stride_om,  #
-    stride_res, stride_h, stride_res_out,  #
-    K13: tl.constexpr, BN13: tl.constexpr, STEPS13: tl.constexpr, SPLIT: tl.constexpr,  #
-    K2: tl.constexpr, BN2: tl.constexpr, STEPS2: tl.constexpr, SLOTS: tl.constexpr,  #
-    INTERPRET: tl.constexpr, NORM: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    PREFETCH: tl.constexpr, PDL: tl.constexpr = False,  #
-):
-    """gate_up and down in one launch. Programs take tickets in the order they start (sync_ptr[0], reset by
-    the last ticket): the first NUMEL * GU_TILES * SPLIT run gate_up tiles entry by entry, the rest down
-    tiles in the same entry order, each waiting on its entry's counter (sync_ptr[1 + entry]), which every
-    stored gate_up tile increments (release). A waiting program holds a ticket drawn after every gate_up
-    ticket, so the gate_up programs it waits on are running: no order of dispatch can deadlock. A down
-    tile starts when its entry's rows are stored, not when every entry's are, and its codes stream in while
-    it waits."""
-    pdl.enter(PDL)
-    gate_ups = NUMEL * GU_TILES * SPLIT
-    total = gate_ups + NUMEL * DOWN_TILES
-    ticket = tl.atomic_add(sync_ptr, 1)
-    if ticket == total - 1:
-        tl.atomic_xchg(sync_ptr, 0)
-    ready = sync_ptr + 1
-    if ticket < gate_ups:
-        entry = ticket // (GU_TILES * SPLIT)
-        pid_n = ticket // SPLIT % GU_TILES
-        stored = _gate_up_program(a_ptr, w13_ptr, s13_ptr, ts13_ptr, inter_ptr, ids_ptr, ws13_ptr,  #
-                                  lock13_ptr, entry, pid_n, ticket % SPLIT, GU_TILES, NUMEL, I, SLOTS,  #
-                                  stride_am, stride_w13e, stride_w13n, stride_s13k, stride_s13e,  #
-                                  stride_s13n, stride_im, K13, BN13, STEPS13, SPLIT, INTERPRET)
-        if stored:
-            tl.debug_barrier()  # every thread's stores of the tile before the count (release)
-            tl.atomic_add(ready + entry, 1, sem="release")
-    else:
-        j = ticket - gate_ups
-        entry = j // DOWN_TILES
-        _down_program(inter_ptr, w2_ptr, s2_ptr, ts2_ptr, out_ptr, ids_ptr, route_w_ptr, ws2_ptr,  #
-                      lock2_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, ready,  #
-                      entry // SLOTS, j % DOWN_TILES, entry % SLOTS, DOWN_TILES, T, D, eps, GU_TILES,  #
-                      stride_im, stride_w2e, stride_w2n, stride_s2k, stride_s2e, stride_s2n, stride_om,  #
-                      stride_res, stride_h, stride_res_out,  #
-                      K2, BN2, STEPS2, SLOTS, INTERPRET, NORM, ONE_PLUS, BLOCK_D, True, PREFETCH)
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    entry = t * SLOTS + slot
+    e = tl.load(ids_ptr + entry).to(tl.int64)
+    scale = tl.load(ts_ptr + e) * tl.load(route_w_ptr + entry) * 67108864.0
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rows < N
+    w_ptrs, s_ptrs = expert_rows(w_ptr, s_ptr, e, rows, stride_we, stride_wn, stride_sk, stride_se, stride_sn,
+                                 STEPS)
+    x_ptrs, col0 = _x_column0(a_ptr, entry, stride_am, STEPS)
+    acc, _ = expert_tile_dot(x_ptrs, col0, w_ptrs, s_ptrs, mask_n[:, None], 0, N, stride_wn, stride_sk,
+                             stride_sn, K // (32 * STEPS), BLOCK_N, COLUMNS, STEPS, False, INTERPRET)
+    out = _column0(acc) * scale
+    store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, slot, T, N, rows, mask_n, stride_om,  #
+                     res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h, stride_res_out, eps,  #
+                     SLOTS, NORM, ONE_PLUS, BLOCK_D, INTERPRET)
 
 
 def moe_experts_direct(
@@ -269,10 +161,6 @@ def moe_experts_direct(
     ids = ids.contiguous()
     inter = torch.empty((t * a, inter_n), dtype=torch.bfloat16, device=dev)
     out = torch.empty((t, d), dtype=torch.bfloat16, device=dev)
-
-    if cfg.fused:
-        _moe_direct_one_launch(h, ids, rw, w, cfg, norm, inter, out)
-        return out
 
     block_n, warps, stages, steps, split = cfg.gate_up
     steps, split = fit_steps(d, steps, split)
@@ -306,42 +194,3 @@ def moe_experts_direct(
     )
     return out
 
-
-
-def _moe_direct_one_launch(
-    h: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: MoEWeights, cfg: MoEDirectConfig,
-    norm: FusedNorm | None, inter: torch.Tensor, out: torch.Tensor,
-) -> None:  # fmt: skip
-    """`_moe_direct_kernel` for `moe_experts_direct`: its counters in one zeroed buffer, in disjoint parts
-    (gate_up's split counters, down's slot and token counters, the ticket and the entries' counters), all
-    live at once."""
-    t, a = ids.shape
-    inter_n, d = w.intermediate, w.hidden
-    dev = h.device
-    bn13, warps, stages, steps13, split = cfg.gate_up
-    steps13, split = fit_steps(d, steps13, split)
-    bn2, _, _, steps2 = cfg.down
-    steps2, _ = fit_steps(inter_n, steps2)
-    gu_tiles, down_tiles = triton.cdiv(inter_n, bn13), triton.cdiv(d, bn2)
-    w13, s13 = w.w13.view(torch.int32), scale_words(w.w13_scale, steps13)
-    w2, s2 = w.w2.view(torch.int32), scale_words(w.w2_scale, steps2)
-    ws13 = torch.empty((split, t * a, 2, inter_n), dtype=torch.float32, device=dev) if split > 1 else out
-    ws2 = torch.empty((a, t, d), dtype=torch.float32, device=dev) if a > 1 else out
-    n13, n2 = t * a * gu_tiles, t * down_tiles + t
-    locks = split_k_locks(dev, n13 + n2 + 1 + t * a)
-    lock13, lock2, sync = locks[:n13], locks[n13 : n13 + n2], locks[n13 + n2 :]
-    (res, norm_w, normed, res_out), eps, norm_args = fused_norm_args(norm, out)
-    contiguous_rows = w2.stride(2) == 1 and w2.stride(1) == w2.shape[2]
-    _moe_direct_kernel[(t * a * (gu_tiles * split + down_tiles),)](
-        h, w13, s13, w.w13_tensor_scale, inter, ids, ws13, lock13,  #
-        w2, s2, w.w2_tensor_scale, out, rw, ws2, lock2,  #
-        res, norm_w, normed, res_out, sync,  #
-        t, t * a, inter_n, d, eps, gu_tiles, down_tiles,  #
-        h.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),  #
-        inter.stride(0),  #
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), out.stride(0),  #
-        res.stride(0), normed.stride(0), res_out.stride(0),  #
-        K13=d, BN13=bn13, STEPS13=steps13, SPLIT=split, K2=inter_n, BN2=bn2, STEPS2=steps2, SLOTS=a,  #
-        INTERPRET=interpreting(), **norm_args, PREFETCH=contiguous_rows and pdl.launch(dev)["PDL"],  #
-        num_warps=warps, num_stages=stages, maxnreg=cfg.max_regs or None, **pdl.launch(dev),  #
-    )

@@ -403,15 +403,13 @@ def expert_rows(w_ptr, s_ptr, e, rows, stride_we, stride_wn, stride_sk, stride_s
 @triton.jit
 def expert_tile_dot(x_ptrs, valid, w_ptrs, s_ptrs, row_ok, k_base, N, stride_wn, stride_sk, stride_sn,  #
                     ITERATIONS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,  #
-                    STEPS: tl.constexpr, GATE_UP: tl.constexpr, INTERPRET: tl.constexpr,  #
-                    X_FROM_L2: tl.constexpr = False):
+                    STEPS: tl.constexpr, GATE_UP: tl.constexpr, INTERPRET: tl.constexpr):
     """One expert's weight tile times x^T over ITERATIONS iterations of 32 STEPS codes from K = k_base:
     (acc, acc_up) fp32 [BLOCK_N, BLOCK_M] (acc_up zero unless GATE_UP: the up rows, N rows below the gate
     rows). x_ptrs [32 STEPS, BLOCK_M] point at K = 0 of each column's x row (columns not `valid` read as
     zero); w_ptrs [BLOCK_N, 4 STEPS] at each row's first word, s_ptrs at its first scale word. ITERATIONS is
     a constexpr: a loop that may run zero times defines the accumulators outside the MMA pipeline, and
-    ptxas then serializes the wgmmas (`sm90_report`). X_FROM_L2: x is read past the L1 (`.cg`), for x that
-    other programs of the same launch wrote."""
+    ptxas then serializes the wgmmas (`sm90_report`)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(ITERATIONS):
@@ -419,10 +417,7 @@ def expert_tile_dot(x_ptrs, valid, w_ptrs, s_ptrs, row_ok, k_base, N, stride_wn,
         s_off = (k0 // 64) * stride_sk + (k0 // 32) % 2 if STEPS == 1 else (k0 // 64) * stride_sk
         sc = _iteration_scales(tl.load(s_ptrs + s_off, mask=row_ok, other=0), STEPS, INTERPRET)
         bw = _iteration_blocks(tl.load(w_ptrs + k0 // 8, mask=row_ok, other=0), STEPS)
-        if X_FROM_L2:
-            x = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
         if INTERPRET:  # the interpreter multiplies bf16 dot operands as raw bits
             x = x.to(tl.float32)
         acc = tl.dot(_iteration_tile(bw, sc, STEPS, INTERPRET), x, acc)

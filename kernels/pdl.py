@@ -41,17 +41,3 @@ def enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Ask the L2 for `nbytes` of global memory from `ptr` (a scalar pointer, 16-byte aligned; `nbytes` a
-    multiple of 16 up to 2^20 - 16, the largest sm_90 code holds: a larger one wraps without an error): one
-    bulk prefetch (`cp.async.bulk.prefetch.L2`, sm_90) a program, issued by its thread 0. It moves nothing
-    into the program and changes no result. Compiled code only: callers guard it with a constexpr that is
-    off under the interpreter."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )

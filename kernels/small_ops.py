@@ -142,17 +142,18 @@ def silu_mul_splits(gate_up, ws_ptr, lock_ptr, entry, pid_s, NUMEL, N, rows, mas
 
 
 @triton.jit
-def store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, pid_s, tiles, T, N, rows, mask_n, stride_om,  #
+def store_token_tile(out, ws_ptr, lock_ptr, out_ptr, t, pid_n, pid_s, T, N, rows, mask_n, stride_om,  #
                      res_ptr, norm_w_ptr, h_ptr, res_out_ptr, stride_res, stride_h, stride_res_out, eps,  #
                      SPLIT: tl.constexpr, NORM: tl.constexpr, ONE_PLUS: tl.constexpr,  #
                      BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
-    """The end of a MoE down program (tokens, `tiles` row tiles, SPLIT slot ranges): its fp32 partial `out`
-    of token t's row tile `rows` (tile pid_n); the last split to arrive sums them (`split_total`: workspace
-    [SPLIT, T, N], tile counters lock_ptr[T * tiles]) and stores the tile in bf16. NORM: it then counts the
-    tile on the token's counter (lock_ptr[T * tiles + t], release: the tile's stores first), and the program
-    that completes the row (acquire: it sees every tile) runs `add_rmsnorm_row` on it into h and res_out and
+    """The end of a MoE down program (grid: tokens, row tiles, SPLIT slot ranges): its fp32 partial `out`
+    of token t's row tile `rows`; the last split to arrive sums them (`split_total`: workspace [SPLIT, T,
+    N], tile counters lock_ptr[T * tiles]) and stores the tile in bf16. NORM: it then counts the tile on
+    the token's counter (lock_ptr[T * tiles + t], release: the tile's stores first), and the program that
+    completes the row (acquire: it sees every tile) runs `add_rmsnorm_row` on it into h and res_out and
     resets the counter."""
     last = True
+    tiles = tl.num_programs(1)
     if SPLIT > 1:
         ws = ws_ptr + t.to(tl.int64) * N + rows
         out, last = split_total(out, ws, lock_ptr + t * tiles + pid_n, pid_s, T * N, mask_n, SPLIT)
