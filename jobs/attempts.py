@@ -3,7 +3,7 @@ the rows whose latest result is an error (or skipped), listed per shard in `DIR/
 
 Earlier attempts are never rewritten, so every attempt stays queryable (`results` view); the `latest`
 view picks the highest attempt per id. A shard is done when every attempt that has rows in it has a
-marker.
+marker of this plan and every chunk file that marker counts.
 """
 
 from __future__ import annotations
@@ -59,17 +59,46 @@ def shard_attempts(plan: Plan, shard: int) -> list[int]:
     return [a for a in list_attempts(plan) if a == 1 or str(shard) in _load(plan, a)["rows"]]
 
 
-def incomplete_shards(plan: Plan) -> list[int]:
-    """Shards with work left in any attempt; what a rerun, `slurm --retry` or a cron run still has to do.
+def _marked(plan: Plan, shard: int | None = None) -> dict[tuple[int, int], list[Path]]:
+    """(shard, attempt) of each marker of this plan (of `shard` only, when given) -> the chunk files it
+    counts that are gone. Lists the markers and chunk folders once instead of stat-ing every file (cheap
+    on shared file systems). A marker of another plan (written by a runner of a plan that
+    `--force-new-plan` set aside) or one that cannot be read is left out: its shard is not done."""
+    name = "*" if shard is None else f"{shard:05d}"
+    present = set(plan.job_dir.glob(f"{commit.SHARDS_DIR}/{name}/attempt-*-chunk-*.parquet"))
+    marked = {}
+    for path in (plan.job_dir / commit.MARKERS_DIR).glob(f"{name}-attempt-*.json"):
+        try:
+            marker = commit.read_json(path)
+        except (OSError, ValueError):  # removed meanwhile (`reopen_damaged`), or damaged
+            continue
+        if marker.get("plan_id") != plan.plan_id:
+            continue
+        s, a = marker["shard"], marker["attempt"]
+        chunks = (commit.chunk_path(plan.job_dir, s, a, c) for c in range(marker["chunks"]))
+        marked[(s, a)] = [p for p in chunks if p not in present]
+    return marked
 
-    Lists the markers folder once instead of stat-ing every shard (cheap on shared file systems).
-    """
+
+def finished(plan: Plan, shard: int | None = None) -> set[tuple[int, int]]:
+    """(shard, attempt) pairs that are done: a marker of this plan and every chunk it counts on disk (an
+    incomplete copy of the job folder can lack one). Only `shard`'s when given."""
+    return {place for place, missing in _marked(plan, shard).items() if not missing}
+
+
+def missing_chunks(plan: Plan) -> list[Path]:
+    """Chunk files that a marker of this plan counts but that are gone; their rows are computed again."""
+    return sorted(p for missing in _marked(plan).values() for p in missing)
+
+
+def incomplete_shards(plan: Plan) -> list[int]:
+    """Shards with work left in any attempt; what a rerun, `slurm --retry` or a cron run still has to do."""
     retries = {a: set(_load(plan, a)["rows"]) for a in list_attempts(plan)[1:]}
-    markers = {p.name for p in (plan.job_dir / commit.MARKERS_DIR).glob("*.json")}
+    done = finished(plan)
     left = []
     for s in range(plan.num_shards):
         needed = [1, *(a for a, shards in retries.items() if str(s) in shards)]
-        if any(commit.marker_path(plan.job_dir, s, a).name not in markers for a in needed):
+        if any((s, a) not in done for a in needed):
             left.append(s)
     return left
 
@@ -89,6 +118,8 @@ def reopen_damaged(plan: Plan) -> list[Path]:
         log.warning("%s: damaged (not a whole Parquet file); set aside as %s, its rows computed again",
                     path, aside.name)  # fmt: skip
         reopened.append(path)
+    for path in missing_chunks(plan):  # `finished` does not count their shards: only say so
+        log.warning("%s: missing, though its shard's marker counts it; its rows computed again", path)
     return reopened
 
 
@@ -115,8 +146,9 @@ def create_retry(plan: Plan, rows_by_shard: dict[int, list[int]], reasons: list[
 def pending_rows(plan: Plan, shard: int) -> int:
     """Rows of `shard` not yet in a committed chunk (for progress totals)."""
     left = 0
+    done = finished(plan, shard)
     for attempt in shard_attempts(plan, shard):
-        if commit.marker_path(plan.job_dir, shard, attempt).exists():
+        if (shard, attempt) in done:
             continue
         n = len(attempt_rows(plan, shard, attempt))
         for c, lo in enumerate(range(0, n, plan.chunk_rows)):

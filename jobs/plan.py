@@ -21,6 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 from batchinfer.jobs import commit, inputs, tasks
+from batchinfer.jobs.lock import lock_holder, lock_path
 from batchinfer.schemas import loader
 
 from batchinfer import __version__
@@ -174,7 +175,9 @@ def build_plan(
     files = inputs.describe_files(inputs.resolve(input_patterns), input_schema)
     id_type = inputs.id_type(files)
     reserved = set(loader.load(kind.output_schema).names())
-    for c in keep_columns:
+    for i, c in enumerate(keep_columns):
+        if c in keep_columns[:i]:
+            raise InputError(f"--keep-columns names column {c!r} twice; expected each column once")
         if c in reserved:
             raise InputError(
                 f"--keep-columns {c!r} collides with the output column of that name; "
@@ -346,11 +349,20 @@ def open_or_create(
 
 def set_aside(job_dir: str | Path) -> Path | None:
     """Move an existing plan and everything derived from it to `DIR/superseded/<plan_id>/`, so a new
-    plan can start in the same directory without losing or mixing committed results."""
+    plan can start in the same directory without losing or mixing committed results. Refused while a
+    runner holds a shard's lock: it would go on writing the old plan's chunks into the new job."""
     job_dir = Path(job_dir).resolve()
     if not (job_dir / commit.PLAN_FILE).exists():
         return None
     old = Plan.load(job_dir)
+    for shard in range(old.num_shards):
+        holder = lock_holder(job_dir, shard)
+        if holder:
+            raise InputError(
+                f"{lock_path(job_dir, shard)}: shard {shard:05d} of plan {old.plan_id} is being run by "
+                f"{holder} (host, pid, start); --force-new-plan sets a job aside only while no runner works "
+                "on it: stop that runner or let it finish, then rerun"
+            )
     dest = job_dir / "superseded" / f"{old.plan_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     dest.mkdir(parents=True)
     for name in (

@@ -6,7 +6,7 @@ JSON events, one object per line: `{"event": "start", "rows_total", "shards"}`, 
 "shard", "attempt", "chunk", "rows", "errors", "skipped", "output_tokens", "rows_done", "rows_total",
 "rows_per_s", "tokens_per_s", "elapsed_s"}` after every commit, `{"event": "shard", "shard", "status"}` and
 a final `{"event": "end", "rows_done", "output_tokens", "rows_per_s", "tokens_per_s", "elapsed_s",
-"status"}`.
+"status"}`. Totals are this run's rows (on a resume, the rows left), not the job's.
 """
 
 from __future__ import annotations

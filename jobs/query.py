@@ -13,6 +13,7 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 from batchinfer.jobs import commit, inputs
 from batchinfer.jobs.plan import Plan
 from batchinfer.jobs.worker import plan_metadata
@@ -146,7 +147,28 @@ def export(job_dir: str | Path, out: str | Path, partial: bool = False) -> int:
             f"{plan.job_dir}: only {done} of {total} rows are done; finish the job (`batchinfer run --output "
             f"{plan.job_dir}`) or pass --partial to export what is there"
         )
-    return write_relation(con, f"SELECT * FROM latest ORDER BY {task.order_sql}", out, plan_metadata(plan))
+    metadata = {**plan_metadata(plan), **_engine_metadata(plan)}
+    return write_relation(con, f"SELECT * FROM latest ORDER BY {task.order_sql}", out, metadata)
+
+
+def _engine_metadata(plan: Plan) -> dict[str, str]:
+    """The chunks' engine keys for an exported file: each chunk records the engine that wrote it (its
+    quantization and description); runners on other machines can differ, so several are all listed."""
+    keys = ("batchinfer.quantization", "batchinfer.engine")
+    seen: dict[str, list[str]] = {k: [] for k in keys}
+    for path in commit.chunk_files(plan.job_dir):
+        meta = pq.read_metadata(path).metadata or {}
+        for k in keys:
+            v = meta.get(k.encode(), b"").decode()
+            if v and v not in seen[k]:
+                seen[k].append(v)
+    out = {}
+    if seen["batchinfer.quantization"]:
+        out["batchinfer.quantization"] = ",".join(seen["batchinfer.quantization"])
+    if seen["batchinfer.engine"]:
+        engines = seen["batchinfer.engine"]
+        out["batchinfer.engine"] = engines[0] if len(engines) == 1 else "[" + ", ".join(engines) + "]"
+    return out
 
 
 def rows_to_retry(job_dir: str | Path, reasons: list[str]) -> dict[int, list[int]]:

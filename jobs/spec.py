@@ -43,9 +43,17 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     """Parse and check a spec file; returns a flat dict of run arguments."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read job spec ({e.strerror})") from None
+    if data.startswith(b"PAR1"):
+        raise ConfigError(
+            f"{path}: a Parquet file, not a TOML or JSON job spec; pass input files with --input (-i)"
+        )
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a TOML or JSON job spec (not UTF-8 text)") from None
     try:
         raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:

@@ -61,6 +61,7 @@ def summarize(job_dir: str | Path) -> dict[str, Any]:
         "shards_partial": len((left & started) - running.keys()),
         "shards_pending": len(left - started - running.keys()),
         "running": {f"{s:05d}": h for s, h in running.items()},
+        "missing_chunks": [str(p) for p in attempts.missing_chunks(plan)],
         "attempts": len(all_attempts),
         "chunks": len(chunks),
         "prompt_tokens": sum(c["prompt_tokens"] for c in chunks),
@@ -69,6 +70,7 @@ def summarize(job_dir: str | Path) -> dict[str, Any]:
         "overall_tokens_per_s": round(out_tokens / span, 1) if span else None,
         "engine_rows_per_s": round(rows_s / engine_s, 2) if engine_s else None,
         "overall_rows_per_s": round(rows_s / span, 2) if span else None,
+        "wall_s": round(span, 1),  # what the overall rates divide by
         "first_commit": times[0].isoformat() if times else None,
         "last_commit": times[-1].isoformat() if times else None,
     }
@@ -78,8 +80,9 @@ def render(s: dict[str, Any]) -> str:
     """The summary as a few human-readable lines."""
     pct = 100.0 * s["rows_done"] / s["rows_total"] if s["rows_total"] else 100.0
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["finish_reasons"].items())) or "none yet"
+    model = f"model {s['model']}" if s["model"] else "no model"
     lines = [
-        f"job      {s['job_dir']} (plan {s['plan_id']}, model {s['model']})",
+        f"job      {s['job_dir']} (plan {s['plan_id']}, {model})",
         f"shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
         f"{s['shards_partial']} partial, {s['shards_pending']} pending",
         f"rows     {s['rows_done']}/{s['rows_total']} done ({pct:.1f}%); latest results: {reasons}",
@@ -98,12 +101,18 @@ def render(s: dict[str, Any]) -> str:
         )
     if s.get("task") != "image" and s["engine_tokens_per_s"] is not None:
         overall = s["overall_tokens_per_s"]
+        span = f"{s['wall_s']} s from the first chunk's start to the last commit at {s['last_commit']}"
         lines.append(
             f"speed    {s['engine_tokens_per_s']} tokens/s per worker (engine time)"
-            + (f", {overall} tokens/s overall ({s['first_commit']} .. {s['last_commit']})" if overall else "")
+            + (f", {overall} tokens/s overall ({span})" if overall else "")
         )
     if s["attempts"] > 1:
         lines.append(f"attempts {s['attempts']} (retry-errors ran {s['attempts'] - 1} time(s))")
     for shard, holder in s["running"].items():
         lines.append(f"running  shard {shard}: {holder}")
+    if s["missing_chunks"]:
+        lines.append(
+            f"missing  {len(s['missing_chunks'])} chunk file(s) their shard's marker counts (first: "
+            f"{s['missing_chunks'][0]}); `batchinfer run --output {s['job_dir']}` computes them again"
+        )
     return "\n".join(lines)

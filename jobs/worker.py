@@ -3,7 +3,8 @@ GPUs, Slurm array tasks) only decide where and when it runs.
 
 Contract of `run_shard(plan, shard_id, engine, *, stop=None, progress=None) -> ShardResult`:
 - It takes the shard's lock itself (`jobs.lock.shard_lock`, non-blocking). If another process holds it,
-  it returns at once with status "locked" and touches nothing.
+  it returns at once with status "locked" and touches nothing. Under the lock it raises
+  PlanMismatchError if `plan` is no longer the job's plan (`--force-new-plan` set it aside meanwhile).
 - It processes every attempt with rows in the shard (1 = the plan's row range, 2.. = retry-errors
   attempts) in order, in chunks of `plan.chunk_rows` rows. A chunk whose file exists is committed and
   skipped; stray temporary files of killed writers are removed. Each chunk is read, handed to the
@@ -41,7 +42,7 @@ from batchinfer.jobs.progress import Progress
 
 from batchinfer import __version__
 from batchinfer.engine.api import ImageEngine, TextEngine
-from batchinfer.errors import BatchinferError
+from batchinfer.errors import BatchinferError, PlanMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +140,10 @@ def _run_locked(
     stop: StopFlag | None,
     progress: Progress | None,
 ) -> ShardResult:
+    _check_current(plan)
     result = ShardResult(shard, "done")
-    pending = [
-        a
-        for a in attempts.shard_attempts(plan, shard)
-        if not commit.marker_path(plan.job_dir, shard, a).exists()
-    ]
+    done = attempts.finished(plan, shard)
+    pending = [a for a in attempts.shard_attempts(plan, shard) if (shard, a) not in done]
     if not pending:  # another runner finished it between our listing and our lock
         log.debug("shard %05d is already done", shard)
         return result
@@ -194,6 +193,22 @@ def _run_locked(
         result.skipped,
     )
     return result
+
+
+def _check_current(plan: Plan) -> None:
+    """Refuse to work for a plan that `--force-new-plan` set aside after this runner loaded it: its chunks
+    would land among the new plan's results. Checked once the shard is locked (`plan.set_aside` refuses
+    while any shard is)."""
+    path = plan.job_dir / commit.PLAN_FILE
+    try:
+        current = commit.read_json(path)["plan_id"]
+    except FileNotFoundError:
+        current = None
+    if current != plan.plan_id:
+        raise PlanMismatchError(
+            f"{path}: the job's plan is now {current or 'missing'}, not this runner's {plan.plan_id} (set "
+            f"aside by --force-new-plan); rerun `batchinfer run --output {plan.job_dir}` to work on it"
+        )
 
 
 def _process_chunk(

@@ -7,6 +7,8 @@ import subprocess
 import time
 
 import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from images_fixtures import SHAPES, image_folder, scene
@@ -111,6 +113,28 @@ def test_user_errors_are_one_line_exit_2(tmp_path):
     (d / "img0.png").unlink()
     r = run_cli(*_args(d, out))
     assert f"image files removed: {d / 'img0.png'}" in r.stderr, r.stderr
+
+
+def test_duplicate_keep_columns_are_refused_before_the_plan(tmp_path):
+    """They were planned, then every run failed in pyarrow."""
+    pq.write_table(pa.table({"id": [1], "image": ["a.png"], "prompts": [["red"]], "src": ["x"]}),
+                   tmp_path / "img.parquet")  # fmt: skip
+    out = tmp_path / "out"
+    r = run_cli(*_args(tmp_path / "img.parquet", out, "--keep-columns", "src,src"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == "error: --keep-columns names column 'src' twice; expected each column once"
+    assert not (out / "plan.json").exists()
+
+
+def test_keep_columns_of_image_files_are_refused_before_a_manifest(tmp_path):
+    """Image folders have no columns: the error says so and leaves no manifest behind (it named the
+    manifest's missing column)."""
+    d = image_folder(tmp_path / "imgs", n=2)
+    out = tmp_path / "out"
+    r = run_cli(*_args(d, out, "--keep-columns", "src"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--keep-columns 'src': applies to Parquet inputs only" in r.stderr
+    assert not (out / "inputs").exists() and not (out / "plan.json").exists()
 
 
 def test_progress_counts_images(tmp_path):

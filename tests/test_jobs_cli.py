@@ -2,7 +2,9 @@
 
 import hashlib
 import json
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import pyarrow as pa
@@ -85,6 +87,9 @@ def test_run_status_query_export(tmp_path):
     meta = pq.read_metadata(exp).metadata
     assert meta[b"batchinfer.plan_id"] and meta[b"batchinfer.schema"] == b"llm_output/1"
     assert "max_tokens" in json.loads(meta[b"batchinfer.sampling"])  # the job's parameters, as chunk files
+    chunk = pq.read_metadata(next(out.glob("shards/00000/*.parquet"))).metadata
+    for key in (b"batchinfer.engine", b"batchinfer.quantization"):  # the engine that wrote the rows
+        assert meta[key] == chunk[key]
 
 
 def test_quiet_keeps_the_shard_logs(tmp_path):
@@ -179,6 +184,76 @@ def test_a_damaged_chunk_is_named_and_the_next_run_computes_it_again(tmp_path):
     assert "4 rows processed in 1 chunks" in r.stderr
     r = run_cli("query", str(out), "SELECT count(*) AS n FROM latest")
     assert r.returncode == 0 and "10" in r.stdout, r.stderr
+
+
+def test_a_chunk_missing_from_a_done_shard_is_named_and_computed_again(tmp_path):
+    """An incomplete copy of the job folder: status said every shard done, run had nothing to do."""
+    write_inputs(tmp_path, files=1, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out, "--chunk-rows", "2", "--shards", "2")).returncode == 0
+    chunk = out / "shards/00001/attempt-01-chunk-00001.parquet"
+    chunk.unlink()
+    r = run_cli("status", str(out), "--json")
+    s = json.loads(r.stdout)
+    assert s["shards_done"] == 1 and s["shards_partial"] == 1 and s["missing_chunks"] == [str(chunk)]
+    assert (
+        f"missing  1 chunk file(s) their shard's marker counts (first: {chunk})"
+        in run_cli("status", str(out)).stdout
+    )
+    r = run_cli("run", "--output", str(out), "--progress", "none")
+    assert r.returncode == 0, r.stderr
+    assert f"{chunk}: missing, though its shard's marker counts it; its rows computed again" in r.stderr
+    assert "2 rows processed in 1 chunks" in r.stderr
+    s = json.loads(run_cli("status", str(out), "--json").stdout)
+    assert s["shards_done"] == 2 and s["rows_done"] == 10 and s["missing_chunks"] == []
+
+
+def test_force_new_plan_is_refused_while_a_runner_works_on_the_job(tmp_path):
+    """It used to set the plan aside under a running runner, whose old-plan chunks and marker then made
+    the new job look done with the old rows."""
+    from batchinfer.jobs.lock import shard_lock
+
+    write_inputs(tmp_path, files=1, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli(*echo_args(tmp_path, out, "--shards", "2", "--plan-only")).returncode == 0
+    plan = (out / "plan.json").read_text()
+    with shard_lock(out, 1) as held:
+        assert held
+        r = run_cli(*echo_args(tmp_path, out, "--shards", "2", "--max-tokens", "2", "--force-new-plan"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {out}/locks/00001.lock: shard 00001 of plan ")
+    assert f" is being run by {socket.gethostname()} {os.getpid()} " in last
+    assert (out / "plan.json").read_text() == plan and not (out / "superseded").exists()
+    r = run_cli(*echo_args(tmp_path, out, "--shards", "2", "--max-tokens", "2", "--force-new-plan"))
+    assert r.returncode == 0 and (out / "superseded").is_dir(), r.stderr
+
+
+def test_argument_mistakes_are_one_line_errors(tmp_path):
+    paths = write_inputs(tmp_path, files=1, rows=10)
+    model_dir(tmp_path)
+    out = tmp_path / "out"
+    r = run_cli(*echo_args(tmp_path, out, "--keep-columns", "topic,topic"))  # every run crashed in pyarrow
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == "error: --keep-columns names column 'topic' twice; expected each column once"
+    assert not (out / "plan.json").exists()
+    r = run_cli("run", str(paths[0]), "--output", str(out))  # was a UnicodeDecodeError traceback
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"error: {paths[0]}: a Parquet file, not a TOML or JSON job spec; pass input files with --input (-i)"
+    )
+    (tmp_path / "job.toml").write_bytes(b"\xff\xfe")
+    r = run_cli("run", str(tmp_path / "job.toml"))
+    assert r.returncode == 2 and "job.toml: not a TOML or JSON job spec (not UTF-8 text)" in r.stderr
+    assert run_cli(*echo_args(tmp_path, out)).returncode == 0
+    for sql in ("", "  "):  # printed nothing, exit 0
+        r = run_cli("query", str(out), sql)
+        assert r.returncode == 2 and "Invalid value for 'SQL': empty; expected a query" in r.stderr
+    r = run_cli("run", "--output", str(out), "--force-new-plan")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"error: {out}: --force-new-plan starts a new job, which needs --input and --model"
+    )
 
 
 def _bad_inputs(d: Path, case: str) -> None:

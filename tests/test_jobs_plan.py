@@ -1,12 +1,15 @@
 """plan.json: input validation (job-level errors), shard ranges, refusal of a changed job, set-aside."""
 
 import json
+import os
+import socket
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from batchinfer.jobs import commit
 from batchinfer.jobs import plan as plans
+from batchinfer.jobs.lock import shard_lock
 from jobs_fixtures import ECHO, model_dir, write_inputs
 
 from batchinfer.errors import InputError, PlanMismatchError
@@ -203,6 +206,8 @@ def test_mixed_id_types_and_keep_column_problems(tmp_path):
         _plan(tmp_path, keep_columns=["k"])
     with pytest.raises(InputError, match=r"--keep-columns 'text' collides with the output column"):
         _plan(tmp_path, keep_columns=["text"])
+    with pytest.raises(InputError, match=r"--keep-columns names column 'prompt' twice; expected each"):
+        _plan(tmp_path, keep_columns=["prompt", "prompt"])  # was planned, then every run failed in pyarrow
 
 
 def test_missing_input_and_bad_sampling(tmp_path):
@@ -225,3 +230,19 @@ def test_set_aside_keeps_old_results(tmp_path):
     assert json.loads((dest / "plan.json").read_text())["plan_id"] == p.plan_id
     assert (dest / "shards" / "00000" / chunk.name).exists()
     assert plans.set_aside(p.job_dir) is None
+
+
+def test_set_aside_is_refused_while_a_runner_holds_a_shard(tmp_path):
+    """A runner kept writing the old plan's chunks and marker into the new job, which then looked done."""
+    write_inputs(tmp_path, files=1, rows=4)
+    p = plans.open_or_create(_plan(tmp_path, num_shards=2))
+    with shard_lock(p.job_dir, 1) as held:
+        assert held
+        with pytest.raises(InputError) as e:
+            plans.set_aside(p.job_dir)
+    assert str(e.value).startswith(
+        f"{p.job_dir}/locks/00001.lock: shard 00001 of plan {p.plan_id} is being run by "
+        f"{socket.gethostname()} {os.getpid()} "
+    )
+    assert (p.job_dir / "plan.json").exists() and not (p.job_dir / "superseded").exists()
+    assert plans.set_aside(p.job_dir) is not None  # once the runner is gone

@@ -14,7 +14,7 @@ from batchinfer.jobs.echo import EchoEngine
 from batchinfer.jobs.lock import shard_lock
 from jobs_fixtures import ECHO, model_dir, write_inputs
 
-from batchinfer.errors import InputError
+from batchinfer.errors import InputError, PlanMismatchError
 
 
 class Counting:
@@ -188,6 +188,36 @@ def test_damaged_chunk_is_set_aside_and_recomputed_and_stray_files_are_ignored(t
     assert counting.requests == 3  # that chunk's three rows, no more
     assert _latest(p.job_dir) == before and attempts.incomplete_shards(p) == []
     assert attempts.reopen_damaged(p) == [] and stray.exists()
+
+
+def test_a_missing_chunk_or_another_plans_marker_leaves_the_shard_to_do(tmp_path):
+    """An incomplete copy of the job folder lacks a chunk its marker counts; a runner of a superseded plan
+    writes its marker into the new job: neither shard is done, and a run computes only what is missing."""
+    write_inputs(tmp_path, files=1, rows=12)
+    p = _job(tmp_path, shards=2, chunk_rows=3)
+    worker.run_shards(p, [0, 1], _engine(tmp_path))
+    before = _latest(p.job_dir)
+    chunk = commit.chunk_path(p.job_dir, 1, 1, 1)
+    chunk.unlink()
+    marker = commit.marker_path(p.job_dir, 0, 1)
+    commit.write_json_atomic(marker, {**commit.read_json(marker), "plan_id": "0123456789abcdef"})
+    assert attempts.incomplete_shards(p) == [0, 1] and attempts.missing_chunks(p) == [chunk]
+    assert attempts.pending_rows(p, 0) == 0 and attempts.pending_rows(p, 1) == 3
+    counting = Counting(_engine(tmp_path))
+    results = worker.run_shards(p, [0, 1], counting)
+    assert [r.chunks for r in results] == [0, 1] and counting.requests == 3  # the missing chunk's rows
+    assert _latest(p.job_dir) == before and attempts.incomplete_shards(p) == []
+    assert commit.read_json(marker)["plan_id"] == p.plan_id
+
+
+def test_a_runner_of_a_superseded_plan_stops_before_writing(tmp_path):
+    write_inputs(tmp_path, files=1, rows=6)
+    old = _job(tmp_path, shards=1)
+    plans.set_aside(old.job_dir)
+    new = _job(tmp_path, shards=1, sampling={"max_tokens": 2})
+    with pytest.raises(PlanMismatchError, match=f"the job's plan is now {new.plan_id}, not this runner's"):
+        worker.run_shard(old, 0, _engine(tmp_path))
+    assert not (old.job_dir / "shards").exists() and attempts.incomplete_shards(new) == [0]
 
 
 def test_a_killed_plan_writers_temporary_file_is_removed_a_live_ones_kept(tmp_path):

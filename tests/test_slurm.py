@@ -44,7 +44,9 @@ def make_job(root: Path, rows: int, shards: int, chunk_rows: int = 1000, engine_
 
 
 def mark_done(plan: Plan, shard: int) -> None:
-    commit.write_json_atomic(commit.marker_path(plan.job_dir, shard, 1), {"shard": shard})
+    """A marker of this plan for a shard of no chunk files: done without running it."""
+    doc = {"plan_id": plan.plan_id, "shard": shard, "attempt": 1, "chunks": 0}
+    commit.write_json_atomic(commit.marker_path(plan.job_dir, shard, 1), doc)
 
 
 FAKE = """#!/usr/bin/env bash

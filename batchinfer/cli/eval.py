@@ -108,10 +108,10 @@ def eval_command(
     """Run held-out task prompts through MODEL as a normal job and report exact match per task.
 
     The prompts (chat messages, greedy decoding) go to OUTPUT/heldout.parquet, the job runs in OUTPUT
-    like `batchinfer run` (resumable: a rerun takes the options it leaves out from the job), and the
-    accuracy comes from a DuckDB query over the results joined with the expected answers. Prints a
-    table; --json writes the same figures. Error and skipped rows count as wrong and are shown as "not
-    answered"; a job with shards still running elsewhere is not scored.
+    like `batchinfer run` (resumable: a rerun names --model again and takes the other options it leaves
+    out from the job), and the accuracy comes from a DuckDB query over the results joined with the
+    expected answers. Prints a table; --json writes the same figures. Error and skipped rows count as
+    wrong and are shown as "not answered"; a job with shards still running elsewhere is not scored.
     """
     from batchinfer.cli.run import default_progress, execute
     from batchinfer.demo.evaluate import accuracy

@@ -5,9 +5,16 @@ from __future__ import annotations
 import click
 
 
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """Callback of the SQL argument: an empty one (a quoted unset shell variable) would run nothing."""
+    if not value.strip():
+        raise click.BadParameter("empty; expected a query such as 'SELECT count(*) FROM latest'", ctx, param)
+    return value
+
+
 @click.command("query")
 @click.argument("job_dir", type=click.Path(exists=True, file_okay=False))
-@click.argument("sql")
+@click.argument("sql", callback=_not_empty)
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the rows to FILE.parquet or FILE.csv.")
 @click.option(
     "--force", is_flag=True, help="Overwrite the --out file if it exists (never the job's own files)."

@@ -53,7 +53,8 @@ def retry_errors_command(job_dir: str, reasons: tuple[str, ...], progress: str |
         chosen = list(reasons) or ["error", "skipped"]
         rows = query.rows_to_retry(plan.job_dir, chosen)
         if not rows:
-            click.echo(f"nothing to retry: no latest result has finish_reason in {chosen}", err=True)
+            what = "an error" if plan.doc["task"] == "image" else f"finish_reason in {chosen}"
+            click.echo(f"nothing to retry: no latest result has {what}", err=True)
             return
         attempt = attempts.create_retry(plan, rows, chosen)
         n = sum(len(r) for r in rows.values())

@@ -181,10 +181,12 @@ def run_command(
     else:
         missing = [k for k in ("input", "model") if not args.get(k)]
         if missing:
-            raise InputError(
-                f"{job_dir}: {'--force-new-plan' if force_new_plan else 'no plan.json yet, so'} a new job "
-                "needs " + " and ".join(f"--{m}" for m in missing)
+            why = (
+                "--force-new-plan starts a new job, which"
+                if force_new_plan
+                else "no plan.json yet, so a new job"
             )
+            raise InputError(f"{job_dir}: {why} needs " + " and ".join(f"--{m}" for m in missing))
         candidate = _build(job_dir, args, None, check_rows=True, here=here)  # bad inputs stop here
         if force_new_plan:
             plans.set_aside(job_dir)

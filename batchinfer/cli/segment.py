@@ -136,13 +136,18 @@ def _build(
         parse_args(args["engine_args"]) if "engine_args" in args else (old["engine"]["args"] if old else {})
     )
     (check_args_here if here else check_args)(engine, engine_args)  # here: this run starts now
+    keep = args.get("keep_columns")
     if "inputs" in args:
         patterns, images = sources.split_inputs(args["inputs"])
+        if images and keep:
+            raise InputError(
+                f"--keep-columns {keep!r}: applies to Parquet inputs only; image files, folders and globs "
+                f"(here {images[0][1]}) have no columns to keep"
+            )
         if images:
             patterns.append(str(sources.write_manifest(job_dir, images, params["prompts"])))
     else:
         patterns = [f["path"] for f in plans.absolute_inputs(old, job_dir)["inputs"]]
-    keep = args.get("keep_columns")
     return plans.build_plan(
         job_dir,
         patterns,
