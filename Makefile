@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The CPU suite runs on every core (pytest-xdist); `--dist loadgroup` keeps each `xdist_group` (a module
+# whose fixture is costly or a singleton, like the Slurm cluster) on one worker.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu

@@ -8,6 +8,10 @@ import torch
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter (small shapes only).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_patch_once
+
+    interpreter_patch_once.install()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,7 +18,7 @@ from test_slurm import make_job
 
 from batchinfer.cli import cli
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm-cluster")]
 
 SCRIPTS = Path(__file__).parent / "slurm"
 MAX_ARRAY_SIZE = 4
