@@ -19,11 +19,12 @@ def install() -> bool:
         from triton.runtime import interpreter
     except ImportError:
         return False
-    grid_call = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
+    executor = getattr(interpreter, "GridExecutor", None)
     patch_lang = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
-    if grid_call is None or patch_lang is None or scope_type is None or getattr(patch_lang, "_once", False):
+    if executor is None or patch_lang is None or scope_type is None or getattr(patch_lang, "_once", False):
         return False
+    grid_call = executor.__call__
     launches: list[set[int]] = []  # per running launch: ids of the language modules it has patched
 
     def languages(fn) -> set[int]:
@@ -49,5 +50,5 @@ def install() -> bool:
 
     patch_lang_once._once = True
     interpreter._patch_lang = patch_lang_once
-    interpreter.GridExecutor.__call__ = launch
+    executor.__call__ = launch
     return True
