@@ -285,7 +285,7 @@ def check_fp8_rows(w: FP8Rows, device: torch.device) -> None:
 
 def fp8_gemv_config() -> GemvConfig:
     """One-row FP8 launch (BLOCK_G: 16 columns of K a group): session 10's (16 rows, 256 columns)."""
-    return GemvConfig(16, 2, 4) if interpreting() else GemvConfig(16, 16, 4)
+    return GemvConfig(64, 4, 4) if interpreting() else GemvConfig(16, 16, 4)  # interpreter: few programs
 
 
 GatedNorm = tuple[torch.Tensor, torch.Tensor, float]  # DeltaNet's (z [1, K], weight [Dv], eps)

@@ -247,7 +247,7 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     H = x3.shape[1]
     R = x3.shape[0] * H
     out = torch.empty((R, Dv), dtype=x.dtype, device=x.device)
-    block_r = 4 if _interpreted() else 16
+    block_r = 16
     _gated_rmsnorm_kernel[(triton.cdiv(R, block_r),)](
         x3, z3, weight, out, R, H, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), out.stride(0),
         D=Dv, BLOCK_D=triton.next_power_of_2(Dv), BLOCK_R=block_r, INTERPRET=interpreting(), num_warps=4,

@@ -150,8 +150,8 @@ def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool =
             return direct_config()
         if numel <= DECODE_MAX_ENTRIES and avg <= DECODE_MAX_PER_EXPERT:
             return _decode_config(numel)
-        if interpreting():
-            return MoETCConfig(16, (64, 4, 1, 1), (64, 4, 1, 1))
+        if interpreting():  # few, wide programs (as below)
+            return MoETCConfig(32, (64, 4, 1, 2), (64, 4, 1, 2))
         if avg >= TC_GROUPED_MM_MIN_PER_EXPERT:
             return MoEGroupedMMConfig()
         if avg <= TC_BLOCK_M_16_MAX_PER_EXPERT:

@@ -53,8 +53,8 @@ def direct_config() -> MoEDirectConfig:
     against the kernel probe's 3 stages ahead at 1-4 tokens: not changed until an H200 decides. Registers
     capped at 80 (H100, session 30, same call: `bench run single` Qwen3-30B 355.8 -> 364.5 decode tok/s,
     Qwen3.6 430.9 -> 428.8; one Qwen3-30B layer at one token 22.5 -> 17.9 us)."""
-    if interpreting():
-        return MoEDirectConfig((16, 4, 1, 2, 2), (16, 4, 1, 2))
+    if interpreting():  # one wide tile, no K split: the interpreter's cost is per program and op
+        return MoEDirectConfig((64, 4, 1, 4, 1), (64, 4, 1, 4))
     return MoEDirectConfig((64, 4, 3, 4, 4), (64, 4, 3, 4), max_regs=80)
 
 

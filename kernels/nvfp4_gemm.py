@@ -82,8 +82,8 @@ def gemv_config(group_major: bool, n: int) -> GemvConfig:
     GEMV_WIDE_ROWS) on 8 warps (N 8,192: 8.8 against 10.9 us on 4; 16,384: 13.0 against 16.7), lm_head on
     the cp.async pipeline (248,320 rows: 116.6 against 124.3). The checkpoint layout keeps the untuned
     first guess."""
-    if interpreting():
-        return GemvConfig(16, 2, 4)
+    if interpreting():  # few, wide programs: the interpreter's cost is per program and op
+        return GemvConfig(64, 4, 4)
     if not group_major:
         return GemvConfig(64, 16, 4)
     return GemvConfig(64, 16, 4, 0, 3) if n >= GEMV_WIDE_ROWS else GemvConfig(64, 16, 8, 0, 1)
