@@ -6,8 +6,7 @@ weight sigmoid(shared_gate logit)) -> one of five paths (by entry count and layo
 - a few tokens of paired NVFP4 experts (the engine's, at most DIRECT_MAX_ENTRIES entries): the direct path
   (`moe_direct`), the tensor cores on one tile an entry with no alignment, `moe_tc`'s decode, and this
   module's fused combine and add + RMSNorm in down;
-- the decode path (NVFP4 experts, at most DECODE_MAX_ENTRIES entries, and for paired experts at most
-  DECODE_MAX_PER_EXPERT an expert, where tensor-core tiles would be mostly padding): no alignment;
+- the decode path (NVFP4 experts in the standard layout, at most DECODE_MAX_ENTRIES entries): no alignment;
   gate_up one program per (entry, column tile, K split), down one per (token, column tile, slot split)
   with the routing weights and the top-k sum fused; GEMVs on CUDA cores that decode and multiply each
   word of 8 E2M1 codes in one inline PTX block (`nvfp4_gemm.e2m1_dot8`) and apply each 16-code block
@@ -92,12 +91,13 @@ class MoEDecodeConfig:
     down: tuple[int, int, int, int]
 
 
-# Entries (tokens x slots) up to which NVFP4 experts take the decode path: 32 tokens of 9 slots. Against
-# the fused grouped GEMMs (standard layout); against `moe_tc` (paired experts) the decode path also needs
-# at most DECODE_MAX_PER_EXPERT entries an expert on average: on the H200 it wins at 0.25-0.28 and loses
-# at 0.42-0.5 on both models (`moe_tc` at 21b74a1, docs/PERF_KERNELS.md).
+# Entries (tokens x slots) up to which NVFP4 experts in the standard layout take the decode path (against
+# the fused grouped GEMMs): 32 tokens of 9 slots. Paired experts (the engine's) never do: on an H100
+# (session 36, `tune_kernels --kinds moe_paths`, docs/PERF.md) it lost to the direct path and to `moe_tc`
+# at BLOCK_M 16 at every size timed, 1 to 32 tokens of both models (Qwen3.6 at 8 tokens: 81.7 us against
+# 62.1 direct and 68.7 `moe_tc`); it had won at 0.25-0.28 entries an expert against the `moe_tc` of
+# 21b74a1 (H200, docs/PERF_KERNELS.md), before `moe_tc`'s one-dot loop.
 DECODE_MAX_ENTRIES = 288
-DECODE_MAX_PER_EXPERT = 0.35
 # Entries up to which paired experts take the direct path (`moe_direct`: the tensor cores, one tile an
 # entry) before the decode path: 8 tokens of 9 slots. H100, session 28 (one layer, `tune_kernels --kinds
 # moe_paths`, docs/PERF.md): at 1, 2, 4 and 8 tokens the direct path was the fastest of all, 15%, 13%, 27%
@@ -140,16 +140,13 @@ MoEPath = MoEConfig | MoEDecodeConfig | MoEDirectConfig | MoEGroupedMMConfig | M
 def _moe_configs(numel: int, experts: int, *, nvfp4: bool = True, paired: bool = False) -> MoEPath:
     """By entries and average entries per expert, from `tune_kernels` on the H200 at both models' shapes
     (docs/PERF_KERNELS.md). Paired NVFP4 experts (the engine's): the direct path up to DIRECT_MAX_ENTRIES
-    entries, the decode path up to DECODE_MAX_PER_EXPERT entries an expert, `moe_tc` up to
-    TC_GROUPED_MM_MIN_PER_EXPERT, then grouped_mm. Standard layout: the decode path, the fused grouped GEMMs,
-    grouped_mm. The interpreter (CPU tests) keeps to wide tiles and never picks grouped_mm unless a test
-    asks for it."""
+    entries, `moe_tc` up to TC_GROUPED_MM_MIN_PER_EXPERT entries an expert, then grouped_mm. Standard
+    layout: the decode path, the fused grouped GEMMs, grouped_mm. The interpreter (CPU tests) keeps to wide
+    tiles and never picks grouped_mm unless a test asks for it."""
     avg = numel / experts
     if paired:
         if numel <= DIRECT_MAX_ENTRIES:
             return direct_config()
-        if numel <= DECODE_MAX_ENTRIES and avg <= DECODE_MAX_PER_EXPERT:
-            return _decode_config(numel)
         if interpreting():  # few, wide programs (as below)
             return MoETCConfig(32, (64, 4, 1, 2), (64, 4, 1, 2))
         if avg >= TC_GROUPED_MM_MIN_PER_EXPERT:

@@ -4,7 +4,7 @@ Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kind
 nvfp4,nvfp4_gemv,fp8,fp8_gemv,moe,moe_decode,moe_direct,moe_tc,moe_paths`); the winners go by hand into
 `_nvfp4_gemm_configs` / `gemv_config` / `fp8_gemv_config` / `_fp8_gemm_configs` / `_moe_configs` /
 `moe_direct.direct_config` (and the boundaries `DIRECT_MAX_ENTRIES`, `DECODE_MAX_ENTRIES`,
-`DECODE_MAX_PER_EXPERT`, `TC_GROUPED_MM_MIN_PER_EXPERT`). Logs one line per (kernel, shape, M) with the best
+`TC_GROUPED_MM_MIN_PER_EXPERT`). Logs one line per (kernel, shape, M) with the best
 config next to the current table's choice (and, for the linears, cuBLAS bf16 on the same shape; for the MoE
 decode path, the grouped GEMMs at the same T; for the direct path, the decode path; for `moe_tc`, whatever
 the table runs at that T). `moe_paths` sweeps nothing: it times each MoE path once per T, the crossovers the
@@ -368,9 +368,10 @@ MOE_PATHS_TOKENS = [1, 2, 4, 8, 12, 16, 24, 32, 2048, 3072, 4096, 6144]
 
 def time_moe_paths(model: str, t: int, dev: torch.device) -> dict:
     """Every path the engine's table chooses between at this T, on paired experts, nothing swept: the
-    direct and decode paths under their table configs (up to DECODE_MAX_ENTRIES), `moe_tc` at each
-    BLOCK_M with the table's tiles, grouped_mm; the crossovers behind DIRECT_MAX_ENTRIES,
-    DECODE_MAX_PER_EXPERT and TC_GROUPED_MM_MIN_PER_EXPERT."""
+    direct and decode paths under their table configs (up to DECODE_MAX_ENTRIES; the engine's table no
+    longer takes the decode path for paired experts, timed here to keep that checked), `moe_tc` at each
+    BLOCK_M with the table's tiles, grouped_mm; the crossovers behind DIRECT_MAX_ENTRIES and
+    TC_GROUPED_MM_MIN_PER_EXPERT."""
     timer, numel, experts, _ = _moe_timer(model, t, dev)
     run = _skipping_failures(timer)
     paths: dict[str, MoEPath] = {}
