@@ -6,7 +6,8 @@ and, for FP8, "scaled_mm_w8a8" (per-token FP8 activations through cuBLAS `torch.
 quantization included), which is what an FP8-tensor-core path would reach. The MoE baseline is the
 fp32 reference loop over experts (host-synchronising, so timed eagerly). At decode sizes (up to
 `STREAM_MAX_M` rows) both also time "stream_read": one launch that only reads the weight bytes the call
-must read (`bench.stream_read`), the floor for a kernel of that size on this GPU.
+must read (`bench.stream_read`), the floor for a kernel of that size on this GPU; the MoE also
+"row_tile_read", the same bytes read in its kernels' order (64-row tiles, 64 bytes of a row at a time).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from batchinfer.bench.kernels import KernelCase, Target, Timed, register, rotating_sets
-from batchinfer.bench.stream_read import stream_read_baseline
+from batchinfer.bench.stream_read import row_tile_read_baseline, stream_read_baseline
 from batchinfer.kernels.fp8_gemm import fp8_gemm, stack_fp8
 from batchinfer.kernels.fp8_rows_mm import ROWS_MM_MAX_M, fp8_rows_mm
 from batchinfer.kernels.moe import fused_moe, moe_experts_ref, moe_route, moe_route_ref
@@ -174,6 +175,7 @@ def _moe_timed(cfg: ModelConfig, t: int, device: torch.device) -> Timed:
     baselines = {"reference_loop": reference}
     if t <= STREAM_MAX_M:
         baselines["stream_read"] = stream_read_baseline(touched * per_expert, sets, device)
+        baselines["row_tile_read"] = row_tile_read_baseline(touched * per_expert, d // 2, sets, device)
     return Timed(
         run=lambda j: fused_moe(hs[j], paired, top_k, True),
         n_sets=sets,
