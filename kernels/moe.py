@@ -93,16 +93,18 @@ class MoEDecodeConfig:
 
 # Entries (tokens x slots) up to which NVFP4 experts in the standard layout take the decode path (against
 # the fused grouped GEMMs): 32 tokens of 9 slots. Paired experts (the engine's) never do: on an H100
-# (session 36, `tune_kernels --kinds moe_paths`, docs/PERF.md) it lost to the direct path and to `moe_tc`
-# at BLOCK_M 16 at every size timed, 1 to 32 tokens of both models (Qwen3.6 at 8 tokens: 81.7 us against
-# 62.1 direct and 68.7 `moe_tc`); it had won at 0.25-0.28 entries an expert against the `moe_tc` of
-# 21b74a1 (H200, docs/PERF_KERNELS.md), before `moe_tc`'s one-dot loop.
+# (session 36, `tune_kernels --kinds moe_paths` and `--kinds moe_direct`, docs/PERF.md) it lost at every
+# size timed, 1 to 32 tokens of both models, to the direct path, and from 8 tokens on also to `moe_tc` at
+# BLOCK_M 16 (Qwen3.6 at 8 tokens: 81.7 us against 62.1 direct and 68.7 `moe_tc`); it had won at
+# 0.25-0.28 entries an expert against the `moe_tc` of 21b74a1 (H200, docs/PERF_KERNELS.md), before
+# `moe_tc`'s one-dot loop.
 DECODE_MAX_ENTRIES = 288
 # Entries up to which paired experts take the direct path (`moe_direct`: the tensor cores, one tile an
-# entry) before the decode path: 8 tokens of 9 slots. H100, session 28 (one layer, `tune_kernels --kinds
+# entry) before `moe_tc`: 8 tokens of 9 slots. H100, session 28 (one layer, `tune_kernels --kinds
 # moe_paths`, docs/PERF.md): at 1, 2, 4 and 8 tokens the direct path was the fastest of all, 15%, 13%, 27%
 # and 20% under the decode path on Qwen3.6 (6-21% under `moe_tc` at BLOCK_M 16 from 2 tokens), 13-30% on
-# Qwen3-30B; more tokens not yet timed.
+# Qwen3-30B. Session 36 (H100): at 16 tokens a tie on Qwen3.6 (105.8 against 108.3 us) and 7% over on
+# Qwen3-30B, at 32 tokens 24% and 53% over `moe_tc` (it reads an expert once an entry, `moe_tc` once a block).
 DIRECT_MAX_ENTRIES = 72
 # Entries from which the experts are decoded to bf16 once and run as `torch._grouped_mm` (prefill),
 # against the fused grouped GEMMs (standard layout); against `moe_tc` (paired layout) entries an expert.
