@@ -18,10 +18,10 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# The CPU suite runs on every core (pytest-xdist); `--dist loadgroup` keeps each `xdist_group` (a module
-# whose fixture is costly or a singleton, like the Slurm cluster) on one worker.
+# The CPU suite runs on every core (pytest-xdist, tests dealt out one by one); a fixture that must be
+# alone on the machine (the Slurm cluster) takes a lock.
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadgroup
+	$(PY) -m pytest -q -n auto
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu

@@ -14,7 +14,6 @@ from batchinfer.cli import cli
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 GATED_TASKS = ["add", "convert", "count", "reverse", "sort"]
-pytestmark = pytest.mark.xdist_group("demo-model-eval")  # one worker evaluates the bf16 model once
 
 
 def _evaluate(name: str, tmp: Path) -> dict:

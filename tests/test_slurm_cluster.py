@@ -3,10 +3,19 @@
 The cluster comes from tests/slurm/start_cluster.sh (Debian's slurm-wlm + munge, private slurm.conf,
 MaxArraySize=4 so a 6-shard job needs two array submissions with offsets) and is stopped after the
 module. The jobs run the model-free echo engine through the real `batchinfer run`.
+
+Its daemons listen on fixed ports, so one cluster runs on a machine at a time: the fixture holds a lock
+(`CLUSTER_LOCK`) from start to stop. pytest-xdist may run this module's tests on different workers (its
+`loadgroup` grouping does not take on pytest 9, whose nodes keep their id elsewhere than xdist 3.8
+writes it); each worker's cluster then waits for the other's to stop. Before the lock, two clusters
+started at once: the second's daemons could not bind, its tests reached the first cluster, and that
+cluster's shutdown cancelled their jobs.
 """
 
+import fcntl
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,15 +27,21 @@ from test_slurm import make_job
 
 from batchinfer.cli import cli
 
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm-cluster")]
+pytestmark = pytest.mark.slurm
 
 SCRIPTS = Path(__file__).parent / "slurm"
 MAX_ARRAY_SIZE = 4
+CLUSTER_LOCK = Path(tempfile.gettempdir()) / "batchinfer-test-slurm-cluster.lock"  # machine-wide: fixed ports
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    state = tmp_path_factory.mktemp("slurm-cluster")
+    with open(CLUSTER_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield from _running_cluster(tmp_path_factory.mktemp("slurm-cluster"))
+
+
+def _running_cluster(state: Path):
     started = subprocess.run([SCRIPTS / "start_cluster.sh", state, str(MAX_ARRAY_SIZE)], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
     if started.returncode == 77:
