@@ -95,7 +95,7 @@ def test_direct_path_fuses_add_rmsnorm_bit_exact(monkeypatch, t, one_plus):
 
 
 def test_a_few_tokens_of_paired_experts_take_the_direct_path(monkeypatch):
-    """Paired experts: the direct path up to DIRECT_MAX_ENTRIES entries (8 tokens of either model), the
+    """Paired experts: the direct path up to DIRECT_MAX_ENTRIES entries (8 tokens of either model),
     `moe_tc` above; the standard layout never takes it (it reads the paired words)."""
     monkeypatch.setattr(moe, "interpreting", lambda: False)
     assert moe._moe_configs(9, 257, paired=True) == direct_config()  # Qwen3.6, one token
