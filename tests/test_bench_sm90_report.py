@@ -21,7 +21,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header = [c.strip("| ") for c in next(line for line in lines if line.startswith("| kernel")).split(" | ")]
     rows = [[c.strip("| ") for c in line.split(" | ")] for line in lines if line.startswith("| _")]
-    assert len(rows) == 75 and not any("FAILED" in line for line in lines)
+    assert len(rows) == 76 and not any("FAILED" in line for line in lines)
     by_kernel = {(r[0], r[1]): dict(zip(header, r, strict=True)) for r in rows}
 
     def column(name: str, key: str, case: str | None = None) -> list[str]:
@@ -33,10 +33,11 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert ldgsts and all(int(n) > 0 for n in ldgsts)  # the KV stream is software-pipelined (cp.async)
     no_sync = ("_moe_tc_kernel", "_moe_direct_gate_up_kernel", "_moe_direct_down_kernel", "_fp8_gemv_kernel",
                "_fp8_rows_mm_kernel")  # fmt: skip
-    for name in no_sync:  # no synchronous loop loads
+    for name in no_sync:  # no synchronous loop loads; a K loop whose issue cost the report counts
         assert set(column(name, "loop LDG")) == {"0"}, name
+        assert all(int(n) > 0 for n in column(name, "loop instr")), name
     gemv = [r for (name, _), r in by_kernel.items() if name in ("_fp8_gemv_kernel", "_nvfp4_gemv_kernel")]
-    assert len(gemv) == 7  # the weight stream is cp.async (split-K too), except on a projection's group-major
+    assert len(gemv) == 8  # the weight stream is cp.async (split-K too), except on a projection's group-major
     assert all((int(r["LDGSTS"]) > 0) != ("group-major" in r["case"]) for r in gemv)  # NVFP4 rows (loads won)
     # the one-row NVFP4 kernels issue a step's scale loads with its codes, not after decoding them (8-37
     # such loads a kernel until session 27); down's per-slot tensor and routing scales (L2) may trail
@@ -79,3 +80,18 @@ def test_all_kernels_compile_for_sm90_without_spills():
     }  # fmt: skip
     assert {name for name, _ in pdl} >= decode
     assert all(order == "wait first" for name, order in pdl if name in decode)
+
+
+def test_loop_instructions_counts_the_largest_innermost_loop():
+    """An outer loop (0x10-0x80) holding an inner one (0x20-0x40), then a second loop (0x90-0xe0): the
+    count is the larger innermost body's, the outer loop's own size never counts."""
+    from batchinfer.bench.sm90_report import loop_instructions
+
+    body = {0x00: "MOV R1, R2", 0x10: "IADD3 R1, R1, 0x1, RZ", 0x20: "LOP3.LUT R3, R1, 0xf, RZ, 0xc0, !PT",
+            0x30: "SHF.R.W.U32 R4, R3, 0x4, R3", 0x40: "@P0 BRA 0x20", 0x50: "HMUL2 R5, R4, R4",
+            0x60: "HMUL2 R5, R5, R4", 0x70: "HMUL2 R5, R5, R4", 0x80: "@P1 BRA 0x10", 0x90: "LOP3.LUT R6, R5",
+            0xa0: "SHF.R.W.U32 R6, R6, 0x4, R6", 0xb0: "LOP3.LUT R6, R6", 0xc0: "HMUL2 R6, R6, R6",
+            0xd0: "IADD3 R7, R7, 0x1, RZ", 0xe0: "@P2 BRA 0x90", 0xf0: "EXIT"}  # fmt: skip
+    sass = "\n".join(f"        /*{a:04x}*/                   {ins} ;" for a, ins in body.items())
+    assert loop_instructions(sass) == 6  # 0x90-0xe0; the outer 0x10-0x80 holds 8, the inner 3
+    assert loop_instructions("        /*0000*/                   EXIT ;") == 0

@@ -9,8 +9,9 @@ divisibility hint). `cuobjdump` from Triton's own package reads the cubin, and i
 whether it serialized the kernel's wgmmas (info C7515: each waits for the one before, as `moe_tc`'s did
 until session 12, because a zero-trip loop defined the accumulators outside the MMA pipeline). Not a
 timing: it answers "does it compile for Hopper, does it spill, does it use wgmma / cp.async, are its
-wgmmas pipelined, does a loop wait on memory twice an iteration (`late LDG`)" before a GPU is
-available.
+wgmmas pipelined, does a loop wait on memory twice an iteration (`late LDG`), how many instructions
+does a warp issue an iteration of its K loop (`loop instr`; `--mix` adds their opcodes)" before a GPU
+is available.
 The PDL column checks that a kernel launched with programmatic dependent launch (`kernels/pdl.py`)
 waits for the kernel before it ahead of any global memory access.
 Run `python -m batchinfer.bench.sm90_report` (with TRITON_INTERPRET unset); exit status 1 when a
@@ -21,6 +22,7 @@ before its wait or never waits.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import re
@@ -146,6 +148,32 @@ def loop_loads(sass: str) -> int:
     )
 
 
+def _largest_inner_loop(sass: str) -> list[str]:
+    """The instructions of the largest innermost loop body (none without a loop)."""
+    code, loops = _loops(sass)
+    inner = [
+        (lo, hi) for lo, hi in loops if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in loops)
+    ]
+    bodies = [[ins for a, ins in code if lo <= a <= hi] for lo, hi in inner]
+    return max(bodies, key=len, default=[])
+
+
+def loop_instructions(sass: str) -> int:
+    """Instructions in the largest innermost loop body (0 without a loop): an iteration's issue cost. A
+    warp scheduler issues one instruction a cycle, so for a K loop that decodes weights in registers
+    (`moe_tc`, the direct path) this count over the bytes an iteration loads bounds the bandwidth an SM
+    can reach however well latency is hidden (docs/PERF.md, session 37)."""
+    return len(_largest_inner_loop(sass))
+
+
+def loop_mix(sass: str) -> str:
+    """That loop's opcodes by count, most first ("LOP3 96, HMUL2 96, ..."; predicates and modifiers
+    dropped): which units an iteration keeps busy."""
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+                              for ins in _largest_inner_loop(sass))  # fmt: skip
+    return ", ".join(f"{op} {n}" for op, n in ops.most_common())
+
+
 def late_loop_loads(sass: str) -> int:
     """Synchronous global loads (`LDG`) in a loop body after its first floating-point multiply-add or
     multiply: each is a second wait on memory an iteration, issued only once the math before it has its
@@ -221,6 +249,8 @@ def compile_report(kernel: triton.JITFunction, launch: Callable[[], Any]) -> dic
         "spill_bytes": stack,
         "smem": compiled.metadata.shared,
         **{op: len(re.findall(rf"\b{op}\b", sass)) for op in _OPS},
+        "loop instr": loop_instructions(sass),
+        "loop mix": loop_mix(sass),
         "loop LDG": loop_loads(sass),
         "late LDG": late_loop_loads(sass),
         "wgmma serialized": wgmma_serialized(compiled.asm["ptx"]) if "HGMMA" in sass else "",
@@ -456,6 +486,15 @@ def _nvfp4_gemv_launches() -> Iterator[tuple]:
     rows = nvfp4_gemm.stack_nvfp4([w])  # the engine's group-major rows (lm_head, NVFP4 projections)
     group_major = lambda: nvfp4_gemm.nvfp4_gemv(x, rows)  # noqa: E731
     yield "N=8192 K=2048 M=1 group-major", nvfp4_gemm._nvfp4_gemv_kernel, group_major
+    # lm_head's rows (GEMV_WIDE_ROWS and more: the cp.async pipeline), zero codes at the smallest such N
+    n = nvfp4_gemm.GEMV_WIDE_ROWS
+    codes, scales = torch.zeros(128, n, dtype=torch.int64), torch.zeros(128, n, dtype=torch.uint8)
+    wide = nvfp4_gemm.NVFP4Rows(codes, scales, torch.ones(n))
+    yield (
+        f"N={n} K=2048 M=1 lm_head rows",
+        nvfp4_gemm._nvfp4_gemv_kernel,
+        lambda: nvfp4_gemm.nvfp4_gemv(x, wide),
+    )
 
 
 def _moe_align_launches() -> Iterator[tuple]:
@@ -502,17 +541,19 @@ def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     yield from _vit_launches()
 
 
-_CHECKS = ("loop LDG", "late LDG", "wgmma serialized", "CTAs/SM", "PDL")
+_CHECKS = ("loop instr", "loop LDG", "late LDG", "wgmma serialized", "CTAs/SM", "PDL")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-spill", type=int, default=128, help="largest tolerated spill (stack) in bytes")
+    ap.add_argument("--mix", action="store_true", help="add a column: the K loop's opcodes by count")
     args = ap.parse_args()
+    columns = (*_OPS, *_CHECKS, *(("loop mix",) if args.mix else ()))
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the report compiles real sm_90 code")
-    print("| kernel | case | config | regs | spill B | smem B | " + " | ".join((*_OPS, *_CHECKS)) + " |")
-    print("|---" * (6 + len(_OPS) + len(_CHECKS)) + "|")
+    print("| kernel | case | config | regs | spill B | smem B | " + " | ".join(columns) + " |")
+    print("|---" * (6 + len(columns)) + "|")
     failed = False
     for case, kernel, launch in launches():
         try:
@@ -524,7 +565,7 @@ def main() -> None:
         failed |= r["spill_bytes"] > args.max_spill or r["PDL"] in ("LATE", "NO WAIT")
         print(
             f"| {r['kernel']} | {case} | {r['config']} | {r['regs']} | {r['spill_bytes']} | {r['smem']} | "
-            + " | ".join(str(r[op]) for op in (*_OPS, *_CHECKS))
+            + " | ".join(str(r[op]) for op in columns)
             + " |"
         )
     sys.exit(1 if failed else 0)
