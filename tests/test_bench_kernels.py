@@ -57,10 +57,28 @@ def test_collect_cases_covers_ops_models_and_m():
     assert {c.m for c in rows_mm if c.op == "fp8_rows_mm"} == {8, 32}
     shapes = {op: {c.shape for c in rows_mm if c.op == op} for op in ("fp8_rows_mm", "fp8_gemm")}
     assert shapes["fp8_rows_mm"] == shapes["fp8_gemm"]
+    rows_tc = [c for c in rows_mm if c.op == "nvfp4_rows_tc"]  # 1-64 rows, NVFP4 linears but the experts
+    assert {c.m for c in rows_tc} == {1, 8, 32}
+    nvfp4 = {c.shape for c in rows_mm if c.op == "nvfp4_gemm"}
+    assert {c.shape for c in rows_tc} == {s for s in nvfp4 if not s.startswith("expert")}
+    assert any(s.startswith("lm_head") for s in nvfp4)
     emb = {(c.model, c.m, c.shape) for c in cases if c.op == "embedding"}
     assert emb == {
         (m, t, f"V={v} D=2048") for m, v in (("qwen3.6", 248320), ("qwen3-30b", 151936)) for t in (1, 4096)
     }
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_rows_tc_case_computes_what_its_baselines_compute(m):
+    """The `nvfp4_rows_tc` case's call and the kernel it stands beside (the one-row GEMV, or the fused
+    GEMM) give the same product (a small weight, under the interpreter on CPU)."""
+    from batchinfer.bench.kernel_cases_gemm import _linear_timed
+
+    timed = _linear_timed("nvfp4", m, 64, 128, torch.device("cpu"), rows_tc=True)
+    other = timed.baselines["nvfp4_gemv" if m == 1 else "nvfp4_gemm"]
+    for i in (0, timed.n_sets - 1):
+        ours, theirs = timed.run(i).float().clone(), other(i).float()
+        assert (ours - theirs).norm() <= 1e-2 * theirs.norm()
 
 
 def test_embedding_case_gathers_what_torch_gathers():

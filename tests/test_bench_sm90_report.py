@@ -21,7 +21,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header = [c.strip("| ") for c in next(line for line in lines if line.startswith("| kernel")).split(" | ")]
     rows = [[c.strip("| ") for c in line.split(" | ")] for line in lines if line.startswith("| _")]
-    assert len(rows) == 76 and not any("FAILED" in line for line in lines)
+    assert len(rows) == 78 and not any("FAILED" in line for line in lines)
     by_kernel = {(r[0], r[1]): dict(zip(header, r, strict=True)) for r in rows}
 
     def column(name: str, key: str, case: str | None = None) -> list[str]:
@@ -32,7 +32,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
     ldgsts = column("_decode_attn_kernel", "LDGSTS")
     assert ldgsts and all(int(n) > 0 for n in ldgsts)  # the KV stream is software-pipelined (cp.async)
     no_sync = ("_moe_tc_kernel", "_moe_direct_gate_up_kernel", "_moe_direct_down_kernel", "_fp8_gemv_kernel",
-               "_fp8_rows_mm_kernel")  # fmt: skip
+               "_fp8_rows_mm_kernel", "_nvfp4_rows_tc_kernel")  # fmt: skip
     for name in no_sync:  # no synchronous loop loads; a K loop whose issue cost the report counts
         assert set(column(name, "loop LDG")) == {"0"}, name
         assert all(int(n) > 0 for n in column(name, "loop instr")), name
@@ -49,6 +49,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
         "_moe_direct_gate_up_kernel",
         "_moe_direct_down_kernel",
         "_fp8_rows_mm_kernel",
+        "_nvfp4_rows_tc_kernel",
     ):  # pipelined (a zero-trip K loop serialized
         assert set(column(name, "wgmma serialized")) == {""}, name  # moe_tc's until session 12)
     # the register cap `max_regs` 80 (session 29; the direct path's config since session 30): 7 programs an
@@ -75,7 +76,7 @@ def test_all_kernels_compile_for_sm90_without_spills():
         "_conv1d_update_kernel", "_delta_rule_kernel", "_gated_rmsnorm_kernel", "_qk_norm_rope_kernel",
         "_store_kv_kernel", "_decode_attn_kernel", "_decode_combine_kernel", "_moe_tc_kernel",
         "_moe_decode_gate_up_kernel", "_moe_decode_down_kernel", "_moe_route_kernel", "_moe_hist_kernel",
-        "_moe_offsets_kernel", "_moe_scatter_kernel", "_sum_slots_kernel",
+        "_moe_offsets_kernel", "_moe_scatter_kernel", "_sum_slots_kernel", "_nvfp4_rows_tc_kernel",
         "_norm_route_kernel", "_moe_direct_gate_up_kernel", "_moe_direct_down_kernel",
     }  # fmt: skip
     assert {name for name, _ in pdl} >= decode

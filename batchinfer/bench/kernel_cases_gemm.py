@@ -25,6 +25,7 @@ from batchinfer.kernels.moe_tc import pair_moe_weights
 from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight, quantize_fp8, quantize_nvfp4
 from batchinfer.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemv, stack_nvfp4
+from batchinfer.kernels.nvfp4_rows_tc import ROWS_TC_MAX_M, nvfp4_rows_tc, pair_nvfp4_rows
 from batchinfer.models.config import ModelConfig
 
 STREAM_MAX_M = 64  # rows (tokens) up to which a call is bandwidth-bound: the stream_read baseline applies
@@ -70,9 +71,12 @@ def _scaled_mm_w8a8(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor) -
     return torch._scaled_mm(xq, w_t, scale_a=scale, scale_b=w_scale, out_dtype=torch.bfloat16)
 
 
-def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device, rows_mm: bool = False) -> Timed:
+def _linear_timed(
+    kind: str, m: int, n: int, k: int, device: torch.device, rows_mm: bool = False, rows_tc: bool = False
+) -> Timed:
     """One linear at (m, n, k); `rows_mm`: FP8 as `fp8_rows_mm` on the weight stacked as the engine stacks
-    it, `fp8_gemm` (the tile kernel) then among the baselines."""
+    it, `fp8_gemm` (the tile kernel) then among the baselines; `rows_tc`: NVFP4 as `nvfp4_rows_tc` in the
+    paired layout, the kernel the call would take otherwise (the one-row GEMV, the fused GEMM) a baseline."""
     w_bytes = n * k // 2 + n * k // 16 if kind == "nvfp4" else n * k
     io_bytes = 2 * m * (k + n)
     sets = rotating_sets(w_bytes + io_bytes)
@@ -89,6 +93,10 @@ def _linear_timed(kind: str, m: int, n: int, k: int, device: torch.device, rows_
         rows = [stack_nvfp4([w]) for w in ws]
         baselines["gemv_checkpoint_layout"] = run
         run = lambda i: nvfp4_gemv(xs[i], rows[i], out=outs[i])  # noqa: E731
+    if rows_tc:
+        paired = [pair_nvfp4_rows([w]) for w in ws]
+        baselines["nvfp4_gemv" if m == 1 else "nvfp4_gemm"] = run
+        run = lambda i: nvfp4_rows_tc(xs[i], paired[i], out=outs[i])  # noqa: E731
     if rows_mm:
         stacked = [stack_fp8([w]) for w in ws]
         baselines["fp8_gemm"] = run
@@ -123,6 +131,9 @@ def linear_cases(model: str, cfg: ModelConfig, ms: Sequence[int]) -> Iterator[Ke
         for m in ms:
             build = lambda dev, m=m, n=n, k=k: _linear_timed("nvfp4", m, n, k, dev)
             yield KernelCase("nvfp4_gemm", model, f"{name} N={n} K={k}", m, build, _linear_target(m))
+        for m in (m for m in ms if m <= ROWS_TC_MAX_M and not name.startswith("expert")):
+            build = lambda dev, m=m, n=n, k=k: _linear_timed("nvfp4", m, n, k, dev, rows_tc=True)
+            yield KernelCase("nvfp4_rows_tc", model, f"{name} N={n} K={k}", m, build, _linear_target(m))
         if name.startswith(("expert", "lm_head")):
             continue  # FP8 only where NVIDIA's mixed checkpoints use it: attention and DeltaNet projections
         for m in ms:

@@ -52,6 +52,7 @@ from batchinfer.kernels import (
     moe_tc,
     norm_route,
     nvfp4_gemm,
+    nvfp4_rows_tc,
     pdl,
     qk_norm_rope,
     sampling,
@@ -64,8 +65,8 @@ from batchinfer.sam3.vit import axial_rope
 
 # fmt: off
 _MODULES = (attention, causal_conv1d, fp8_gemm, fp8_rows_mm, gdn, gdn_chunk, kv_cache, moe, moe_align,
-            moe_direct, moe_tc, norm_route, nvfp4_gemm, qk_norm_rope, sampling, small_ops, norm_triton,
-            rope_triton)
+            moe_direct, moe_tc, norm_route, nvfp4_gemm, nvfp4_rows_tc, qk_norm_rope, sampling, small_ops,
+            norm_triton, rope_triton)
 # fmt: on
 
 _PDL_LAUNCH = pdl.launch
@@ -497,6 +498,22 @@ def _nvfp4_gemv_launches() -> Iterator[tuple]:
     )
 
 
+def _rows_tc_launches() -> Iterator[tuple]:
+    """The few-row NVFP4 linear on the tensor cores: lm_head's row count (zero codes), one row and 32."""
+    n, k = nvfp4_gemm.GEMV_WIDE_ROWS, 2048
+    codes, scales = (
+        torch.zeros(n, k // 8, dtype=torch.int32),
+        torch.zeros(k // 64, 1, n, 4, dtype=torch.uint8),
+    )
+    rows = nvfp4_rows_tc.NVFP4PairedRows(codes, scales, torch.ones(n))
+    for m in (1, 32):
+        yield (
+            f"N={n} K={k} M={m}",
+            nvfp4_rows_tc._nvfp4_rows_tc_kernel,
+            lambda m=m: nvfp4_rows_tc.nvfp4_rows_tc(_t(m, k), rows),
+        )
+
+
 def _moe_align_launches() -> Iterator[tuple]:
     ids = torch.randint(0, 257, (2048, 9), dtype=torch.int32)  # Qwen3.6 prefill: 257 experts, 9 slots
     align = lambda: moe_align.moe_align(ids, 257, 64)
@@ -537,6 +554,7 @@ def launches() -> Iterator[tuple[str, triton.JITFunction, Callable[[], Any]]]:
     yield from _norm_route_launches()
     yield from _fp8_gemv_launches()
     yield from _nvfp4_gemv_launches()
+    yield from _rows_tc_launches()
     yield from _small_op_launches()
     yield from _vit_launches()
 

@@ -1,9 +1,9 @@
 """Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
 
 Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds
-nvfp4,nvfp4_gemv,fp8,fp8_gemv,moe,moe_decode,moe_direct,moe_tc,moe_paths`); the winners go by hand into
-`_nvfp4_gemm_configs` / `gemv_config` / `fp8_gemv_config` / `_fp8_gemm_configs` / `_moe_configs` /
-`moe_direct.direct_config` (and the boundaries `DIRECT_MAX_ENTRIES`, `DECODE_MAX_ENTRIES`,
+nvfp4,nvfp4_gemv,nvfp4_rows_tc,fp8,fp8_gemv,moe,moe_decode,moe_direct,moe_tc,moe_paths`); the winners go by
+hand into `_nvfp4_gemm_configs` / `gemv_config` / `rows_tc_config` / `fp8_gemv_config` / `_fp8_gemm_configs` /
+`_moe_configs` / `moe_direct.direct_config` (and the boundaries `DIRECT_MAX_ENTRIES`, `DECODE_MAX_ENTRIES`,
 `TC_GROUPED_MM_MIN_PER_EXPERT`). Logs one line per (kernel, shape, M) with the best
 config next to the current table's choice (and, for the linears, cuBLAS bf16 on the same shape; for the MoE
 decode path, the grouped GEMMs at the same T; for the direct path, the decode path; for `moe_tc`, whatever
@@ -49,6 +49,7 @@ from batchinfer.kernels.nvfp4_gemm import (
     nvfp4_gemv,
     stack_nvfp4,
 )
+from batchinfer.kernels.nvfp4_rows_tc import RowsTCConfig, nvfp4_rows_tc, pair_nvfp4_rows, rows_tc_config
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,17 @@ FP8_GEMV_CANDIDATES = [
     GemvConfig(bn, bg, w, 0, s)
     for bn, bg, w, s in itertools.product((8, 16, 32, 64), (8, 16, 32), (2, 4, 8), (1, 3))
     if 16 <= bn * 16 * bg // (32 * w) <= 128
+]
+
+# `nvfp4_rows_tc` kind (NVFP4 for 1-64 rows on the tensor cores, the engine's paired rows): both models'
+# lm_head, Qwen3-30B's q|k|v and o_proj (all-NVFP4); (BLOCK_N, warps, stages, STEPS, SPLIT (0: from the CTA
+# count)), 128 rows on 8 warps being two warpgroups. Beside it cuBLAS on the bf16 weight (the engine's path
+# from two rows up before this kernel); the one-row GEMV is in `bench kernels --op nvfp4_rows_tc`.
+ROWS_TC_SHAPES = [(248320, 2048), (151936, 2048), (5120, 2048), (2048, 4096)]
+ROWS_TC_MS = [1, 8, 32]
+ROWS_TC_CANDIDATES = [
+    RowsTCConfig(bn, w, stages, steps, split)
+    for (bn, w), stages, steps, split in itertools.product(((64, 4), (128, 8)), (3, 4), (2, 4), (0, 1, 2))
 ]
 
 MOE_TOKENS = [1, 8, 32, 128, 512, 4096]
@@ -448,20 +460,25 @@ def main() -> None:
             continue
         fp8 = kind in ("fp8", "fp8_gemv")
         gemm, table = (fp8_gemm, _fp8_gemm_configs) if fp8 else (nvfp4_gemm, _nvfp4_gemm_configs)
-        cands, shapes, stack = None, SHAPES, None
+        cands, shapes, stack, ms = None, SHAPES, None, MS
         if kind == "nvfp4_gemv":  # the engine's group-major rows
-            table, cands, shapes = (lambda m, n: gemv_config(True, n)), GEMV_CANDIDATES, GEMV_SHAPES
+            table, cands, shapes, ms = (lambda m, n: gemv_config(True, n)), GEMV_CANDIDATES, GEMV_SHAPES, [1]
             gemm, stack = (lambda x, w, config: nvfp4_gemv(x, w, config=config)), stack_nvfp4
         if kind == "fp8_gemv":  # the engine's stacked rows
-            table, cands, shapes = (lambda m, n: fp8_gemv_config()), FP8_GEMV_CANDIDATES, FP8_GEMV_SHAPES
+            table, shapes, ms = (lambda m, n: fp8_gemv_config()), FP8_GEMV_SHAPES, [1]
+            cands = FP8_GEMV_CANDIDATES
             gemm, stack = (lambda x, w, config: fp8_gemv(x, w, config=config)), stack_fp8
+        if kind == "nvfp4_rows_tc":  # the engine's paired rows, a decode batch on the tensor cores
+            table, shapes, ms = (lambda m, n: rows_tc_config()), ROWS_TC_SHAPES, ROWS_TC_MS
+            cands = ROWS_TC_CANDIDATES
+            gemm, stack = (lambda x, w, config: nvfp4_rows_tc(x, w, config=config)), pair_nvfp4_rows
         for n, k in shapes[: args.shapes]:
             wbytes = n * k if fp8 else n * k // 2 + n * k // 16
             ws = _weights("fp8" if fp8 else "nvfp4", n, k, rotating_sets(wbytes), dev)
             wb = [w.dequantize(torch.bfloat16) for w in ws]
             if stack is not None:
                 ws = [stack([w]) for w in ws]
-            for m in [1] if stack is not None else MS:
+            for m in ms:
                 r = {"kind": kind, "n": n, "k": k, "m": m, **tune_point(gemm, table, ws, wb, m, cands)}
                 log.info(
                     "%s N=%d K=%d M=%d: best %s %.1f us (%.2f TB/s weights); table %.1f; cublas %.1f us",
