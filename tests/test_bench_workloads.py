@@ -258,6 +258,7 @@ def test_breakdown_groups_every_engine_kernel():
     expect = {
         "_fp8_gemv_kernel": "projections (ours)",
         "_nvfp4_gemv_kernel": "projections (ours)",
+        "_nvfp4_rows_tc_kernel": "projections (ours)",  # lm_head of 2-64 rows
         "_fp8_gemm_kernel": "projections (ours)",
         "_fp8_rows_mm_kernel": "projections (ours)",
         "_store_kv_kernel": "kv cache write",

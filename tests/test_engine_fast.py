@@ -162,11 +162,11 @@ def test_one_row_decode_reads_the_checkpoint_bytes(monkeypatch, quant):
             expect["fp8_gemv" if quant == "mixed" else "nvfp4_gemv"] += 1
     if quant == "mixed":
         assert isinstance(km.lm_head_rows, NVFP4Rows)
-        expect["nvfp4_gemv"] += 1
+        expect["nvfp4_gemv"] += 2  # lm_head: the one-prompt prefill's last token and the step
     else:
         assert km.lm_head_rows is None
     plain = copy.copy(km)
-    plain.lm_head_rows = None
+    plain.lm_head_rows = plain.lm_head_paired = None
     plain.layers = [
         dataclasses.replace(x, mixer=dataclasses.replace(x.mixer, **dict.fromkeys(fields[type(x.mixer)])))
         for x in km.layers
@@ -188,13 +188,45 @@ def test_one_row_decode_reads_the_checkpoint_bytes(monkeypatch, quant):
             model.decode(state, nxt, pos, torch.tensor([1], dtype=torch.int32, device=DEVICE)).float()
         )
         states.append(state)
-        # one GEMV a stacked weight in the one-row step; none in the prefill, none on the bf16 copies
+        # a GEMV a stacked weight in the one-row step (and lm_head's in the prefill); none on bf16 copies
         assert {name: len(got) for name, got in calls.items()} == expect
     assert rel_err(logits[0], logits[1]) < 1e-2 and torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
     _assert_slot_state_matches(states[1], states[0], 1, len(prompt) + 1)
     _, _, bf16 = _models("tiny-qwen3.5-moe", "bf16")
-    assert bf16.lm_head_rows is None
+    assert bf16.lm_head_rows is None and bf16.lm_head_paired is None
     assert all(getattr(x.mixer, f) is None for x in bf16.layers for f in fields[type(x.mixer)])
+
+
+def test_lm_head_of_a_few_rows_runs_on_its_nvfp4_bytes(monkeypatch):
+    """An NVFP4 lm_head (NVIDIA's mixed layout) keeps its bytes paired too, and 2-64 rows of logits (a
+    prefill's last tokens, a decode batch) run on them on the tensor cores (`nvfp4_rows_tc`), one launch a
+    call; the logits match cuBLAS on the bf16 copy. An all-NVFP4 checkpoint's lm_head is bf16: no copy."""
+    import copy
+
+    from batchinfer.kernels.nvfp4_rows_tc import NVFP4PairedRows
+
+    from batchinfer.engine import kernel_model
+
+    cfg, _, km = _models("tiny-qwen3.5-moe", "mixed")
+    assert isinstance(km.lm_head_paired, NVFP4PairedRows)
+    assert _models("tiny-qwen3.5-moe", "nvfp4")[2].lm_head_paired is None
+    plain = copy.copy(km)
+    plain.lm_head_paired = None
+    calls = []
+    real = kernel_model.nvfp4_rows_tc
+    monkeypatch.setattr(kernel_model, "nvfp4_rows_tc", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = _random_prompts(cfg.vocab_size, [21, 9, 14])
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    logits = []
+    for model, launches in ((km, [1, 2]), (plain, [2, 2])):  # calls after the prefill, after the step
+        state = model.new_state(3, 40)
+        first = model.prefill_prompts(state, prompts, [0, 1, 2])
+        assert len(calls) == launches[0]
+        pos = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=DEVICE)
+        step = model.decode(state, first.argmax(-1), pos, slots)
+        assert len(calls) == launches[1]
+        logits.append(torch.cat([first.float(), step.float()]))
+    assert rel_err(logits[0], logits[1]) < 1e-2 and torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
 def test_one_row_decode_fuses_its_small_steps(monkeypatch):

@@ -27,7 +27,7 @@ from batchinfer.engine.kernel_model import KernelModel
 GROUPS = (
     ("add + rmsnorm + router + route", r"norm_route"),  # one-row decode's fused launch
     ("moe route + align", r"moe_route|moe_align|_align|moe_hist|moe_offsets|moe_scatter"),
-    ("projections (ours)", r"fp8_gemv|nvfp4_gemv|fp8_gemm|nvfp4_gemm|fp8_rows_mm|fp8_dequant"),
+    ("projections (ours)", r"fp8_gemv|nvfp4_gemv|fp8_gemm|nvfp4_gemm|fp8_rows_mm|fp8_dequant|nvfp4_rows_tc"),
     ("moe experts", r"moe|dequant|sum_slots|silu_mul|^_combine_kernel"),
     ("attention", r"attn|attention|decode_combine"),
     ("q/k norm + rope", r"qk_norm_rope"),

@@ -15,7 +15,10 @@ Weights are laid out once at load time for the kernels:
   the ones quantized in the checkpoint also keep their checkpoint bytes, stacked the same way, and one
   row runs a GEMV on them: FP8 projections (NVIDIA's mixed layout) as `FP8Rows` (DeltaNet's b|a, bf16
   there, as the stack's bf16 tail; q|k|v 7.5 us against cuBLAS's 11.8 us on the H200, session 10),
-  NVFP4 ones (lm_head; every projection of an all-NVFP4 checkpoint) as group-major `NVFP4Rows`.
+  NVFP4 ones (lm_head; every projection of an all-NVFP4 checkpoint) as group-major `NVFP4Rows`. An NVFP4
+  lm_head also keeps its bytes in `moe_tc`'s paired layout, on which 2-64 rows (decode batches, a
+  prefill's last tokens) run on the tensor cores (`nvfp4_rows_tc`: 135 us against cuBLAS's 349 at 32 rows
+  on an H100, `conc32` +2.2%, session 37; the projections there were no faster than cuBLAS).
 State lives in per-slot pools preallocated by the caller (`SlotState`): the KV cache
 `[slots, Hkv, max_len, Dh]` per attention layer (bf16, or FP8 with a scale per token and head when asked,
 `kv_cache`: half the bytes, at some accuracy; `kernels/kv_cache.py`), conv state `[slots, K - 1, C]`
@@ -56,6 +59,7 @@ from batchinfer.kernels.moe_weights import MoEWeights, stack_moe_weights
 from batchinfer.kernels.norm_route import norm_route
 from batchinfer.kernels.nvfp4 import FP8Weight, NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import NVFP4Rows, nvfp4_gemv, stack_nvfp4
+from batchinfer.kernels.nvfp4_rows_tc import ROWS_TC_MAX_M, nvfp4_rows_tc, pair_nvfp4_rows
 from batchinfer.kernels.qk_norm_rope import qk_norm_rope, rope_inv_freq
 from batchinfer.kernels.small_ops import add_rmsnorm, embedding
 from batchinfer.models.config import ModelConfig
@@ -232,6 +236,8 @@ class KernelModel:
             )
         self.lm_head = dense_bf16(lm_head).contiguous()
         self.lm_head_rows = _one_row([lm_head])
+        paired = isinstance(lm_head, NVFP4Weight) and lm_head.shape[1] % 32 == 0
+        self.lm_head_paired = pair_nvfp4_rows([lm_head]) if paired else None
         self.norm = weights["norm"].to(torch.bfloat16)
         self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, self.device)
         self.layers = [self._layer(weights, i, kind) for i, kind in enumerate(c.layer_types)]
@@ -373,12 +379,12 @@ class KernelModel:
             h, residual = add_rmsnorm(h, residual, layer.post_norm, c.rms_norm_eps, c.one_plus_norm)
             x = fused_moe(h, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
         if all_logits:
-            return add_rmsnorm(x, residual, self.norm, c.rms_norm_eps, c.one_plus_norm)[0] @ self.lm_head.t()
+            return self._logits(add_rmsnorm(x, residual, self.norm, c.rms_norm_eps, c.one_plus_norm)[0])
         last = cu_seqlens[1:].long() - 1  # each prompt's last token
         h, _ = add_rmsnorm(
             x[last].contiguous(), residual[last].contiguous(), self.norm, c.rms_norm_eps, c.one_plus_norm
         )
-        return h @ self.lm_head.t()
+        return self._logits(h)
 
     def prefill_prompts(
         self,
@@ -429,6 +435,13 @@ class KernelModel:
             # the MoE decode path
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h, residual = moe_experts_add_rmsnorm(h, experts, weights, moe, residual, norm, eps, one_plus)
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head: one row on its checkpoint bytes' GEMV, 2-ROWS_TC_MAX_M rows of an NVFP4 lm_head on the
+        tensor cores, more (or a bf16 lm_head) on cuBLAS."""
+        if 1 < h.shape[0] <= ROWS_TC_MAX_M and self.lm_head_paired is not None:
+            return nvfp4_rows_tc(h, self.lm_head_paired)
         return _linear(h, self.lm_head, self.lm_head_rows)
 
     def _qkv(self, h: torch.Tensor, w: AttentionWeights, positions: torch.Tensor, cache: tuple | None = None):
