@@ -12,17 +12,7 @@ from batchinfer.kernels.nvfp4_rows_tc import (
     nvfp4_rows_tc_ref,
     pair_nvfp4_rows,
 )
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative L2 error against an fp32 reference; every element within its bf16 rounding (the
-    interpreter truncates: 2^-7) beside the accumulation order's error."""
-    assert not torch.isnan(out).any(), "NaN in output (unwritten poisoned element?)"
-    diff = (out.float() - ref.float()).abs()
-    assert torch.all(diff <= ref.float().abs() * 2**-7 + 1e-3 * ref.float().abs().max())
-    return (diff.norm() / ref.float().norm()).item()
+from test_kernels_fp8_rows_mm import DEVICE, _rel  # the same tolerance: bf16 output, fp32 sums
 
 
 def _weights(k: int, parts, seed: int):
