@@ -22,6 +22,7 @@ from batchinfer.kernels.fp8_gemm import FP8Rows, check_fp8_rows
 from batchinfer.kernels.nvfp4_gemm import (
     _dot_nt,
     check_gemm_out,
+    check_rows_x,
     choose_split_k,
     interpreting,
     num_sms,
@@ -100,12 +101,8 @@ def fp8_rows_mm(
     `W [N, K]` transposed -> `[M, N]` bf16 with fp32 accumulation, reading the checkpoint's FP8 bytes.
     `out` may be a view with unit column stride; `config` overrides the launch (tuner)."""
     k = w.data.shape[1]
-    if x.dim() != 2 or not 1 <= x.shape[0] <= ROWS_MM_MAX_M or x.shape[1] != k or x.dtype != torch.bfloat16 \
-            or x.stride(-1) != 1:
-        raise ValueError(f"x: expected bfloat16 [M, {k}] with 1 <= M <= {ROWS_MM_MAX_M} and unit column "
-                         f"stride, got {x.dtype} {list(x.shape)} strides {x.stride()}")
+    m = check_rows_x(x, k, ROWS_MM_MAX_M)
     check_fp8_rows(w, x.device)
-    m = x.shape[0]
     out = check_gemm_out(out, m, w.rows, x.device)
     n = w.data.shape[0]
     n_tail = w.rows - n

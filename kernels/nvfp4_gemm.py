@@ -475,6 +475,16 @@ def choose_split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
     return split
 
 
+def check_rows_x(x: torch.Tensor, k: int, max_m: int) -> int:
+    """The few-row kernels' input (`fp8_rows_mm`, `nvfp4_rows_tc`): bf16 `[M, K]`, 1 <= M <= max_m, unit
+    column stride. Returns M."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max_m or x.shape[1] != k or x.dtype != torch.bfloat16 \
+            or x.stride(-1) != 1:  # fmt: skip
+        raise ValueError(f"x: expected bfloat16 [M, {k}] with 1 <= M <= {max_m} and unit column stride, got "
+                         f"{x.dtype} {list(x.shape)} strides {x.stride()}")  # fmt: skip
+    return x.shape[0]
+
+
 def check_gemm_out(out: torch.Tensor | None, m: int, n: int, device: torch.device) -> torch.Tensor:
     if out is None:
         return torch.empty((m, n), dtype=torch.bfloat16, device=device)

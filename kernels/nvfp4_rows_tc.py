@@ -36,6 +36,7 @@ from batchinfer.kernels.moe_tc import (
 from batchinfer.kernels.nvfp4 import NVFP4Weight
 from batchinfer.kernels.nvfp4_gemm import (
     check_gemm_out,
+    check_rows_x,
     choose_split_k,
     interpreting,
     num_sms,
@@ -134,14 +135,10 @@ def nvfp4_rows_tc(
     transposed -> `[M, N]` bf16 (fp32 accumulation); into `out` when given (a view with unit column stride:
     CUDA graphs). `config` overrides the launch (a sweep)."""
     n, k = w.shape
-    if x.dim() != 2 or not 1 <= x.shape[0] <= ROWS_TC_MAX_M or x.shape[1] != k or x.dtype != torch.bfloat16 \
-            or x.stride(-1) != 1:  # fmt: skip
-        raise ValueError(f"x: expected bfloat16 [M, {k}] with 1 <= M <= {ROWS_TC_MAX_M} and unit column "
-                         f"stride, got {x.dtype} {list(x.shape)} strides {x.stride()}")  # fmt: skip
+    m = check_rows_x(x, k, ROWS_TC_MAX_M)
     if w.codes.device != x.device or w.codes.dtype != torch.int32 or not w.codes.is_contiguous() \
             or tuple(w.scales.shape) != (triton.cdiv(k, 64), 1, n, 4) or tuple(w.tensor_scale.shape) != (n,):
         raise ValueError("weight: expected NVFP4PairedRows as pair_nvfp4_rows makes them, on x's device")
-    m = x.shape[0]
     out = check_gemm_out(out, m, n, x.device)
     cfg = config or rows_tc_config()
     if cfg.steps not in (1, 2, 4):
