@@ -1,8 +1,9 @@
 """Offline tuner for the GEMM config tables: times candidate configs per M bucket on the GPU.
 
-Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds
-nvfp4,nvfp4_gemv,nvfp4_rows_tc,fp8,fp8_gemv,moe,moe_decode,moe_direct,moe_tc,moe_paths`); the winners go by
-hand into `_nvfp4_gemm_configs` / `gemv_config` / `rows_tc_config` / `fp8_gemv_config` / `_fp8_gemm_configs` /
+Run on the H200 (`python -m batchinfer.bench.tune_kernels --out tune.json --kinds nvfp4,nvfp4_gemv,
+nvfp4_rows_tc,fp8,fp8_gemv,fp8_rows_mm,moe,moe_decode,moe_direct,moe_tc,moe_paths`, without the line
+break); the winners go by hand into `_nvfp4_gemm_configs` / `gemv_config` / `rows_tc_config` /
+`fp8_gemv_config` / `fp8_rows_mm_config` / `_fp8_gemm_configs` /
 `_moe_configs` / `moe_direct.direct_config` (and the boundaries `DIRECT_MAX_ENTRIES`, `DECODE_MAX_ENTRIES`,
 `TC_GROUPED_MM_MIN_PER_EXPERT`). Logs one line per (kernel, shape, M) with the best
 config next to the current table's choice (and, for the linears, cuBLAS bf16 on the same shape; for the MoE
@@ -26,6 +27,7 @@ import torch
 from batchinfer.bench.kernel_cases_gemm import _weights, moe_layer
 from batchinfer.bench.kernels import bench_models, rotating_sets, time_per_call
 from batchinfer.kernels.fp8_gemm import _fp8_gemm_configs, fp8_gemm, fp8_gemv, fp8_gemv_config, stack_fp8
+from batchinfer.kernels.fp8_rows_mm import RowsMMConfig, fp8_rows_mm, fp8_rows_mm_config
 from batchinfer.kernels.moe import (
     DECODE_MAX_ENTRIES,
     MoEConfig,
@@ -126,6 +128,16 @@ ROWS_TC_MS = [1, 8, 32]
 ROWS_TC_CANDIDATES = [
     RowsTCConfig(bn, w, stages, steps, split)
     for (bn, w), stages, steps, split in itertools.product(((64, 4), (128, 8)), (3, 4), (2, 4), (0, 1, 2))
+]
+
+# `fp8_rows_mm` kind (FP8 for 2-64 rows on the tensor cores, the engine's stacked FP8 rows; untuned since
+# session 14, when its one config lost to cuBLAS on the bf16 copies): Qwen3.6's stacked FP8 projections,
+# (BLOCK_N, BLOCK_K, SPLIT_K (0: from the CTA count), warps, stages). Its shared memory (weight and x tiles
+# a stage) sets the programs an SM: the untuned 64 x 128 on 4 stages fits two.
+ROWS_MM_MS = [8, 32]
+ROWS_MM_CANDIDATES = [
+    RowsMMConfig(bn, bk, split, w, stages)
+    for (bn, w), bk, split, stages in itertools.product(((64, 4), (128, 8)), (64, 128), (0, 1), (2, 3, 4))
 ]
 
 MOE_TOKENS = [1, 8, 32, 128, 512, 4096]
@@ -458,7 +470,7 @@ def main() -> None:
                     results.append(r)
                     _dump(args.out, results)
             continue
-        fp8 = kind in ("fp8", "fp8_gemv")
+        fp8 = kind in ("fp8", "fp8_gemv", "fp8_rows_mm")
         gemm, table = (fp8_gemm, _fp8_gemm_configs) if fp8 else (nvfp4_gemm, _nvfp4_gemm_configs)
         cands, shapes, stack, ms = None, SHAPES, None, MS
         if kind == "nvfp4_gemv":  # the engine's group-major rows
@@ -472,6 +484,10 @@ def main() -> None:
             table, shapes, ms = (lambda m, n: rows_tc_config()), ROWS_TC_SHAPES, ROWS_TC_MS
             cands = ROWS_TC_CANDIDATES
             gemm, stack = (lambda x, w, config: nvfp4_rows_tc(x, w, config=config)), pair_nvfp4_rows
+        if kind == "fp8_rows_mm":  # the engine's stacked FP8 rows, a decode batch on the tensor cores
+            table, shapes, ms = (lambda m, n: fp8_rows_mm_config()), FP8_GEMV_SHAPES, ROWS_MM_MS
+            cands = ROWS_MM_CANDIDATES
+            gemm, stack = (lambda x, w, config: fp8_rows_mm(x, w, config=config)), stack_fp8
         for n, k in shapes[: args.shapes]:
             wbytes = n * k if fp8 else n * k // 2 + n * k // 16
             ws = _weights("fp8" if fp8 else "nvfp4", n, k, rotating_sets(wbytes), dev)
